@@ -1,0 +1,29 @@
+"""Exception families for errors a user or a remote peer can cause.
+
+One type per family so callers can catch exactly what they can recover from, and so messages can say
+what to fix. None of these is raised after state has been partially modified.
+"""
+
+
+class HeteroNodeError(Exception):
+    """Base class of every error hetero-node raises on purpose."""
+
+
+class ConfigError(HeteroNodeError):
+    """A run or node configuration is invalid, or does not match the swarm's."""
+
+
+class DataError(HeteroNodeError):
+    """A corpus, token cache or tokenizer file is missing, corrupt or unreadable (the message names the file)."""
+
+
+class PayloadError(HeteroNodeError):
+    """A message from a peer is malformed: wrong size, wrong layout, or non-finite values."""
+
+
+class CheckpointError(HeteroNodeError):
+    """A checkpoint is missing, corrupt, or belongs to a different run."""
+
+
+class PeerAddressError(HeteroNodeError):
+    """A peer multiaddr is malformed or the peers behind it cannot be reached."""
