@@ -1,0 +1,118 @@
+"""Reference aggregation: per-coordinate mean over selectors, median-norm clipping, dropping bad peers."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from hetero_node.protocol.aggregation import aggregate, contribution_norm, lower_median
+from hetero_node.protocol.sparseloco import (
+    CompressedTensor,
+    ErrorFeedbackCompressor,
+    SparseLoCoConfig,
+    SparseMessage,
+    decompress,
+)
+
+TINY = SparseLoCoConfig(chunk=2, topk=2)  # vectors in chunks of 4 entries, 2 kept per chunk
+SHAPES = [(256, 128), (1000,)]
+
+
+def _vector_message(indices: list[int], codes: list[int], lookup: tuple[float, float, float, float]) -> SparseMessage:
+    """A hand-built message for one (8,) tensor: two chunks of 4, two in-chunk indices each."""
+    part = CompressedTensor(
+        shape=(8,),
+        indices=torch.tensor(indices, dtype=torch.int16),
+        codes=torch.tensor(codes, dtype=torch.uint8),
+        mean=0.0,
+        lookup=lookup,
+    )
+    return SparseMessage(chunk=TINY.chunk, topk=TINY.topk, tensors=(part,))
+
+
+def _messages(scales: list[float], seed: int = 0) -> list[SparseMessage]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        ErrorFeedbackCompressor(SHAPES, SparseLoCoConfig()).compress(
+            [scale * torch.randn(s, generator=gen) for s in SHAPES]
+        )
+        for scale in scales
+    ]
+
+
+def test_mean_over_the_peers_that_selected_each_coordinate() -> None:
+    lookup = (-2.0, -1.0, 0.0, 4.0)  # same value multiset for both, so equal norms and no clipping
+    a = _vector_message([0, 1, 0, 3], [3, 1, 0, 2], lookup)  # positions 0, 1, 4, 7 → 4, -1, -2, 0
+    b = _vector_message([1, 2, 0, 1], [0, 3, 2, 1], lookup)  # positions 1, 2, 4, 5 → -2, 4, 0, -1
+    result = aggregate([a, b], [(8,)])
+    assert result.used == [0, 1] and result.dropped == []
+    # b's entry at position 4 decodes to 0 but was selected, so it counts: (-2 + 0) / 2 = -1, not -2.
+    assert result.tensors[0].tolist() == [4.0, -1.5, 4.0, 0.0, -1.0, -1.0, 0.0, 0.0]
+
+
+def test_median_clipping_caps_an_outsized_contribution() -> None:
+    messages = _messages([1.0, 1.0, 100.0, 1.0])
+    norms = [contribution_norm(m) for m in messages]
+    result = aggregate(messages, SHAPES)
+    median = lower_median(norms)
+    assert result.clip_factors[2] == pytest.approx(median / norms[2], rel=1e-9)
+    assert result.clip_factors[2] < 0.02
+    clipped = [result.clip_factors[2] * t for t in decompress(messages[2])]
+    assert math.sqrt(sum(float(t.double().square().sum()) for t in clipped)) == pytest.approx(median, rel=1e-5)
+    honest = aggregate([messages[i] for i in (0, 1, 3)], SHAPES)
+    biggest = max(float(t.abs().max()) for t in honest.tensors)
+    assert max(float(t.abs().max()) for t in result.tensors) < 3 * biggest
+
+
+def test_lower_median_takes_the_lower_middle() -> None:
+    assert lower_median([4.0, 1.0, 3.0, 2.0]) == 2.0
+    assert lower_median([5.0, 1.0, 3.0]) == 3.0
+
+
+def test_contribution_norm_matches_dense_norm() -> None:
+    message = _messages([1.0])[0]
+    dense = math.sqrt(sum(float(t.double().square().sum()) for t in decompress(message)))
+    assert contribution_norm(message) == pytest.approx(dense, rel=1e-12)
+
+
+def _nan_message(message: SparseMessage) -> SparseMessage:
+    first, *rest = message.tensors
+    poisoned = CompressedTensor(first.shape, first.indices, first.codes, float("nan"), first.lookup)
+    return SparseMessage(message.chunk, message.topk, (poisoned, *rest))
+
+
+def test_non_finite_and_misshapen_contributions_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    honest = _messages([1.0, 1.0, 1.0])
+    wrong_shape = ErrorFeedbackCompressor([(128, 256), (1000,)]).compress([torch.ones(128, 256), torch.ones(1000)])
+    contributions = [honest[0], _nan_message(honest[1]), honest[1], wrong_shape, honest[2]]
+    with caplog.at_level(logging.WARNING, logger="hetero_node.protocol.aggregation"):
+        result = aggregate(contributions, SHAPES, peer_ids=["p0", "p-nan", "p1", "p-shape", "p2"])
+    assert result.used == [0, 2, 4]
+    assert [i for i, _ in result.dropped] == [1, 3]
+    assert "non-finite" in result.dropped[0][1] and "shape" in result.dropped[1][1]
+    assert "p-nan" in caplog.text and "p-shape" in caplog.text
+    without = aggregate(honest, SHAPES)
+    for a, b in zip(result.tensors, without.tensors, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_aggregation_is_deterministic() -> None:
+    first = aggregate(_messages([1.0, 2.0, 0.5, 3.0], seed=5), SHAPES)
+    second = aggregate(_messages([1.0, 2.0, 0.5, 3.0], seed=5), SHAPES)
+    for a, b in zip(first.tensors, second.tensors, strict=True):
+        assert torch.equal(a, b)
+    assert first.clip_factors == second.clip_factors
+
+
+def test_no_contributions_give_zeros() -> None:
+    result = aggregate([], SHAPES)
+    assert result.used == [] and all(not bool(t.any()) for t in result.tensors)
+    assert [tuple(t.shape) for t in result.tensors] == SHAPES
+
+
+def test_peer_ids_must_align_with_contributions() -> None:
+    with pytest.raises(ValueError, match="peer ids"):
+        aggregate(_messages([1.0]), SHAPES, peer_ids=["a", "b"])
