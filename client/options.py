@@ -1,0 +1,77 @@
+"""Build Typer options from config dataclasses, so every knob is defined (with its help and default) once.
+
+A command declares parameters annotated with config dataclasses; `expand_dataclass_options` replaces each of
+them with one `--option` per field (help text from the field's ``metadata["help"]``) and rebuilds the
+dataclass instances before calling the command. Configs stay the single source of truth; the CLI follows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+
+def _option_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _field_parameters(config_type: type) -> list[inspect.Parameter]:
+    hints = typing.get_type_hints(config_type)
+    parameters = []
+    for field in dataclasses.fields(config_type):
+        if not field.init:
+            continue
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            raise TypeError(f"{config_type.__name__}.{field.name} needs a default to become a CLI option")
+        option = typer.Option(default, _option_name(field.name), help=field.metadata.get("help", ""))
+        parameters.append(
+            inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hints[field.name])
+        )
+    return parameters
+
+
+def expand_dataclass_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn each dataclass-typed parameter of `command` into per-field CLI options (see module docstring)."""
+    hints = typing.get_type_hints(command)
+    signature = inspect.signature(command)
+    config_params: dict[str, type] = {}
+    new_parameters: list[inspect.Parameter] = []
+    seen: set[str] = set()
+    for name, parameter in signature.parameters.items():
+        annotation = hints.get(name)
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            config_params[name] = annotation
+            expanded = _field_parameters(annotation)
+        else:
+            expanded = [parameter.replace(annotation=annotation, kind=inspect.Parameter.KEYWORD_ONLY)]
+        for item in expanded:
+            if item.name in seen:
+                raise TypeError(f"option name {item.name!r} is defined twice in {command.__name__}")
+            seen.add(item.name)
+        new_parameters.extend(expanded)
+
+    field_names = {
+        name: [f.name for f in dataclasses.fields(config_type) if f.init] for name, config_type in config_params.items()
+    }
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        call_args = {}
+        for name, config_type in config_params.items():
+            call_args[name] = config_type(**{f: kwargs.pop(f) for f in field_names[name]})
+        return command(**call_args, **kwargs)
+
+    del wrapper.__wrapped__  # Typer must read the expanded signature below, not the original one
+    wrapper.__signature__ = signature.replace(parameters=new_parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in new_parameters}
+    return wrapper
