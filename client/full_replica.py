@@ -1,0 +1,324 @@
+"""A full replica: holds the whole model, trains H inner steps, then takes part in every shard's outer round.
+
+The loop, once per round t:  publish θ(t) and progress → H AdamW steps → per shard: Δ, compress, group, exchange,
+aggregate → θ(t+1) → checkpoint, metrics. A replica that misses a round (no group, or a start point that differs
+from the group's) keeps its error feedback, loads θ(t+1) from a peer that has it, and carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetero_node.client.checkpoint import from_bytes, load_checkpoint, save_checkpoint, to_bytes
+from hetero_node.client.metrics import MetricsWriter, RoundRecord
+from hetero_node.client.outer_sync import ShardOutcome, ShardSync, SyncTimeouts
+from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.trainer import InnerTrainer, resolve_device
+from hetero_node.models.config import get_preset
+from hetero_node.models.data import ShardBatches, TokenStore, val_batches
+from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
+from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.errors import CheckpointError, HeteroNodeError, PayloadError
+from hetero_node.protocol.run_config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where this node lives and how it behaves; none of it must match other peers."""
+
+    peers: list[str] = field(default_factory=list, metadata={"help": "Multiaddrs of peers to join through."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Interface to listen on (0.0.0.0 for all)."})
+    port: int = field(default=0, metadata={"help": "TCP port to listen on (0: any free port)."})
+    identity: Path | None = field(default=None, metadata={"help": "Private key file: keeps the peer id stable."})
+    replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
+    checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
+    metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
+    eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
+    eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
+    progress_ttl_s: float = field(default=20.0, metadata={"help": "Our progress record expires after this."})
+    linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
+
+
+class FullReplica:
+    """See the module docstring. `run()` blocks until the run's last round or a stop signal."""
+
+    def __init__(self, run: RunConfig, node: NodeConfig, store: TokenStore, timeouts: SyncTimeouts) -> None:
+        self.run_cfg, self.node, self.store, self.timeouts = run, node, store, timeouts
+        self.device = resolve_device(node.device)
+        model_cfg = get_preset(run.preset, vocab_size=run.vocab_size)
+        self.model = Transformer(model_cfg, seed=run.seed).to(self.device)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.shard_names = shard_parameter_names(model_cfg, run.outer.stages)
+        self.trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, self.device)
+        self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
+        self.stop = threading.Event()
+        self.round = 0
+        self.runtime: PeerRuntime | None = None
+        self.syncs: list[ShardSync] = []
+
+    # ------------------------------------------------------------------------------------------------ helpers
+
+    def shard_params(self, shard: int) -> list[torch.Tensor]:
+        return shard_tensors(self.model, self.shard_names[shard])
+
+    def shard_fingerprints(self) -> dict[str, str]:
+        return {str(s): fingerprint(self.shard_params(s)) for s in range(len(self.shard_names))}
+
+    @torch.no_grad()
+    def set_shard(self, shard: int, tensors: list[torch.Tensor]) -> None:
+        for param, value in zip(self.shard_params(shard), tensors, strict=True):
+            param.copy_(value)
+
+    def _install_signal_handlers(self) -> None:
+        """Ctrl-C / SIGTERM end the run after the current step; hivemind's averager ignores SIGINT otherwise."""
+
+        def request_stop(signum: int, _frame: Any) -> None:
+            logger.warning("signal %d: leaving the swarm after the current step", signum)
+            self.stop.set()
+
+        signal.signal(signal.SIGINT, request_stop)
+        signal.signal(signal.SIGTERM, request_stop)
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    def run(self, on_round: Any = None) -> None:
+        """Join, catch up, train every round, leave cleanly (no p2pd or child process left behind)."""
+        try:
+            self.runtime = PeerRuntime(
+                self.run_cfg.run_id, self.node.peers, self.node.host, self.node.port, self.node.identity
+            )
+            shapes = [[tuple(p.shape) for p in self.shard_params(s)] for s in range(len(self.shard_names))]
+            self.syncs = [
+                ShardSync(self.runtime, self.run_cfg, s, shapes[s], self.timeouts) for s in range(len(shapes))
+            ]
+            self._install_signal_handlers()
+            replica_id = self.node.replica_id
+            if replica_id < 0:
+                replica_id = int.from_bytes(self.runtime.peer_id.to_bytes()[-4:], "big")
+            self.batches = ShardBatches(
+                self.store, replica_id % self.run_cfg.data_shards, self.run_cfg.data_shards,
+                self.run_cfg.batch_size, self.run_cfg.seq_len, self.run_cfg.seed,
+            )  # fmt: skip
+            self.metrics = MetricsWriter(
+                self.node.metrics,
+                {"peer_id": str(self.runtime.peer_id), "role": "full", "stage": None, "vr": None,
+                 "replica_id": replica_id, "n_params": self.n_params, "run": self.run_cfg.to_dict()},
+            )  # fmt: skip
+            self._restore()
+            while self.round < self.run_cfg.outer.rounds and not self.stop.is_set():
+                record = self._one_round()
+                if record is not None:
+                    self.metrics.write(record)
+                    if on_round is not None:
+                        on_round(record)
+            if not self.stop.is_set():
+                self.stop.wait(self.node.linger_s)  # slower peers may still fetch our last payload
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sync in self.syncs:
+            sync.shutdown()
+        if self.runtime is not None:
+            self.runtime.shutdown()
+
+    # --------------------------------------------------------------------------------------- state & resync
+
+    def _restore(self) -> None:
+        """Resume from our checkpoint, then catch up with the swarm if it is ahead (late join or restart)."""
+        if self.node.checkpoint_dir is not None:
+            try:
+                state = load_checkpoint(self.node.checkpoint_dir, self.run_cfg.run_id)
+            except CheckpointError as e:
+                logger.error("%s; loading the current state from peers instead", e)
+                state = None
+                if not self._load_from_peers(min_round=0):
+                    raise CheckpointError(f"{e}, and no peer could provide the current state") from None
+            if state is not None:
+                self.model.load_state_dict(state["model"])
+                self.trainer.load_state_dict(state["trainer"])
+                for sync, sync_state in zip(self.syncs, state["syncs"], strict=True):
+                    sync.load_state_dict(sync_state)
+                self.round = int(state["round"])
+                logger.info("resumed from checkpoint at round %d", self.round)
+        swarm_round = max((r.get("round", 0) for r in self.runtime.read_progress().values()), default=0)
+        if swarm_round > self.round:
+            self._load_from_peers(min_round=swarm_round)
+
+    def _publish_state(self) -> None:
+        for shard, sync in enumerate(self.syncs):
+            state: dict[str, Any] = {
+                "round": self.round,
+                "tensors": [t.detach().cpu() for t in self.shard_params(shard)],
+            }
+            if not sync.sparse:
+                state["momentum"] = sync.momentum
+            self.runtime.publish("state", shard, self.round, to_bytes(state))
+
+    def _load_from_peers(self, min_round: int, wait_s: float = 0.0) -> bool:
+        """Download every shard at round ≥ min_round from a peer whose advertised fingerprints it matches."""
+        deadline = time.monotonic() + wait_s
+        me = str(self.runtime.peer_id)
+        while True:
+            records = self.runtime.read_progress()
+            donors = sorted(
+                (
+                    (rec["round"], pid)
+                    for pid, rec in records.items()
+                    if pid != me and rec.get("round", -1) >= min_round
+                ),
+                reverse=True,
+            )
+            for donor_round, donor in donors:
+                if self._download_state(donor, records[donor], donor_round):
+                    return True
+            if time.monotonic() >= deadline or self.stop.is_set():
+                return False
+            time.sleep(0.5)
+
+    def _download_state(self, donor: str, record: dict[str, Any], donor_round: int) -> bool:
+        from hivemind import PeerID
+
+        peer = PeerID.from_base58(donor)
+        states = []
+        try:
+            for shard, sync in enumerate(self.syncs):
+                max_size = 2 * sum(4 * p.numel() for p in self.shard_params(shard)) + (1 << 20)
+                round_, data = self.runtime.fetch(
+                    peer, "state", shard, donor_round, max_size, self.timeouts.fetch_timeout_s
+                )
+                state = from_bytes(data)
+                tensors = state["tensors"]
+                expected = [tuple(p.shape) for p in self.shard_params(shard)]
+                if [tuple(t.shape) for t in tensors] != expected or round_ != donor_round:
+                    raise PayloadError(f"state of shard {shard} has the wrong shapes or round")
+                if fingerprint(tensors) != record.get("fingerprints", {}).get(str(shard)):
+                    raise PayloadError(f"state of shard {shard} does not match the fingerprint {donor} advertised")
+                states.append((shard, sync, state))
+        except Exception as e:  # a bad donor is skipped, never trusted
+            logger.warning("could not load state from %s: %r", donor, e)
+            return False
+        for shard, sync, state in states:
+            self.set_shard(shard, state["tensors"])
+            if "momentum" in state and not sync.sparse:
+                for m, saved in zip(sync.momentum, state["momentum"], strict=True):
+                    m.copy_(saved)
+        self.round = donor_round
+        logger.warning("loaded the swarm's state of round %d from %s", donor_round, donor)
+        return True
+
+    # ------------------------------------------------------------------------------------------------- a round
+
+    def _one_round(self) -> RoundRecord | None:
+        run, t = self.run_cfg, self.round
+        start_fps = self.shard_fingerprints()
+        self._publish_state()
+        progress = {"round": t, "fingerprints": start_fps, "role": "full"}
+        self.runtime.store_progress(progress, self.node.progress_ttl_s)
+        start = [[p.detach().clone() for p in self.shard_params(s)] for s in range(len(self.syncs))]
+
+        compute_start = time.perf_counter()
+        self.trainer.step = t * run.outer.inner_steps  # LR schedule position is a function of the round
+        losses = []
+        for i in range(run.outer.inner_steps):
+            if self.stop.is_set():
+                return None
+            x, y = self.batches.batch(t * run.outer.inner_steps + i)
+            losses.append(self.trainer.train_step(x, y))
+        compute_s = time.perf_counter() - compute_start
+        train_loss = sum(losses) / len(losses)
+        self.runtime.store_progress({**progress, "loss": train_loss}, self.node.progress_ttl_s)
+
+        comm_start = time.perf_counter()
+        outcomes = self._outer_step(t, start, start_fps)
+        resynced = any(o.new_tensors is None for o in outcomes)
+        if resynced:
+            for shard, shard_start in enumerate(start):  # roll back to θ(t), then fetch θ(t+1) or go solo
+                self.set_shard(shard, shard_start)
+            if not self._load_from_peers(min_round=t + 1, wait_s=self.timeouts.round_timeout_s):
+                logger.warning("round %d: no peer reached round %d; applying my own contribution alone", t, t + 1)
+                outcomes = self._solo_step(t, start)
+                resynced = False
+        else:
+            for shard, outcome in enumerate(outcomes):
+                self.set_shard(shard, outcome.new_tensors)
+            self.round = t + 1
+        comm_s = time.perf_counter() - comm_start
+
+        eval_loss = None
+        if self.round % self.node.eval_every == 0 or self.round >= run.outer.rounds:
+            eval_loss = self.trainer.evaluate(self.val)
+        if self.node.checkpoint_dir is not None:
+            save_checkpoint(self.node.checkpoint_dir, self._checkpoint_state())
+        group = max((o.group_size for o in outcomes), default=0)
+        return RoundRecord(
+            round=t,
+            inner_steps=run.outer.inner_steps,
+            tokens=run.outer.inner_steps * run.batch_size * run.seq_len,
+            train_loss=train_loss,
+            eval_loss=eval_loss,
+            bytes_sent=sum(o.bytes_sent for o in outcomes),
+            bytes_received=sum(o.bytes_received for o in outcomes),
+            compute_s=compute_s,
+            comm_s=comm_s,
+            fingerprints=self.shard_fingerprints(),
+            group_size=group,
+            contributors=min((o.contributors for o in outcomes), default=0),
+            dropped=[d for o in outcomes for d in o.dropped],
+            resynced=resynced,
+            dense_allreduce_bytes=int(2 * 4 * self.n_params * (group - 1) / group) if group > 1 else 0,
+        )
+
+    def _outer_step(self, t: int, start: list[list[torch.Tensor]], start_fps: dict[str, str]) -> list[ShardOutcome]:
+        """Run all shards' rounds concurrently: matchmaking for every shard starts before any result is awaited."""
+        records = self.runtime.read_progress()
+        expected = max(1, sum(1 for r in records.values() if r.get("round") == t))
+        if expected == 1:
+            return self._solo_step(t, start)
+        controls = []
+        for shard, sync in enumerate(self.syncs):
+            current = [p.detach() for p in self.shard_params(shard)]
+            try:
+                controls.append(sync.begin(t, start[shard], current, start_fps[str(shard)], expected))
+            except PayloadError as e:
+                logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); skipping the round", t, shard, e)
+                controls.append(None)
+        return [
+            sync.finish(control, start[shard]) if control is not None else ShardOutcome(new_tensors=None)
+            for shard, (sync, control) in enumerate(zip(self.syncs, controls, strict=True))
+        ]
+
+    def _solo_step(self, t: int, start: list[list[torch.Tensor]]) -> list[ShardOutcome]:
+        """Nobody else is in this round: the aggregate of one contribution (keeps the same update rule)."""
+        outcomes = []
+        for shard, sync in enumerate(self.syncs):
+            current = [p.detach() for p in self.shard_params(shard)]
+            try:
+                outcomes.append(sync.solo(start[shard], current))
+            except HeteroNodeError as e:
+                logger.error("round %d shard %d: %s; keeping θ(t)", t, shard, e)
+                outcomes.append(ShardOutcome(new_tensors=[s.clone() for s in start[shard]]))
+        for shard, outcome in enumerate(outcomes):
+            self.set_shard(shard, outcome.new_tensors)
+        self.round = t + 1
+        return outcomes
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_cfg.run_id,
+            "round": self.round,
+            "model": self.model.state_dict(),
+            "trainer": self.trainer.state_dict(),
+            "syncs": [sync.state_dict() for sync in self.syncs],
+        }

@@ -1,0 +1,277 @@
+"""One parameter shard's outer round: agree on a group, exchange pseudo-gradients, compute the same outer step.
+
+How SparseLoCo travels (the design choice the README explains):
+
+1. Each replica compresses its pseudo-gradient Δ = θ(t) − θ_local with error feedback and serves the encoded
+   message (0.219 bits/param) from memory.
+2. hivemind's matchmaking forms the shard's group for round t. The all-reduce it then runs averages a
+   16-float dummy, so it is only a barrier; what matters is the gathered metadata (round, start fingerprint, payload
+   size and digest), which every member receives identically from the group leader.
+3. Every member fetches every other member's message over a P2P stream, checks size and digest, decodes it
+   strictly, and runs the reference aggregation on the same messages in peer-id order: every member gets the
+   same bits without trusting any peer's arithmetic.
+
+Each replica uploads its message to R−1 peers and downloads R−1 messages, i.e. (R−1)·0.0273·N bytes each way. A
+butterfly all-reduce of the same sparse vectors would return the union of all selections (denser with each peer)
+and lose the 2-bit value codes; for the swarm sizes this targets (tens of replicas per shard) the exchange moves
+fewer bytes, and none of hivemind's partial-average failure modes can silently change the result: a message is
+either received whole and verified, or dropped by that peer, and the next round's fingerprint check catches the
+disagreement.
+
+DiLoCo (the baseline) uses hivemind's butterfly all-reduce of the dense pseudo-gradient exactly as OpenDiLoCo does,
+in fp32 or fp16, with outer Nesterov momentum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hetero_node.client.shard_averager import ShardAverager
+from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.protocol import sparse_codec
+from hetero_node.protocol.aggregation import aggregate
+from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.keys import shard_group_prefix
+from hetero_node.protocol.run_config import RunConfig
+from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor, SparseMessage
+
+logger = logging.getLogger(__name__)
+
+BARRIER_SIZE = 16
+"""Floats in the dummy tensor hivemind averages in sparseloco mode (it must average something)."""
+
+
+@dataclass(frozen=True)
+class SyncTimeouts:
+    """How long a round waits for others; a dead or frozen peer costs at most these (hivemind-notes, C)."""
+
+    matchmaking_s: float = field(default=4.0, metadata={"help": "How long a round's group waits for late members."})
+    round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
+    fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})
+
+
+@dataclass
+class ShardOutcome:
+    """What one shard's round produced and cost."""
+
+    new_tensors: list[Tensor] | None
+    """θ(t+1) of the shard, or None when this peer must fetch the swarm's state instead."""
+    group_size: int = 0
+    contributors: int = 0
+    dropped: list[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    in_majority: bool = True
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def majority_fingerprint(fingerprints: list[str]) -> str:
+    """The most common start fingerprint; ties go to the smallest string so every member picks the same one."""
+    counts = Counter(fingerprints)
+    best = max(counts.values())
+    return min(fp for fp, n in counts.items() if n == best)
+
+
+class ShardSync:
+    """A replica's membership in one shard's averaging group, and its outer-optimizer state for that shard."""
+
+    def __init__(
+        self, runtime: PeerRuntime, run: RunConfig, shard: int, shapes: list[tuple[int, ...]], timeouts: SyncTimeouts
+    ) -> None:
+        from hivemind.compression import Float16Compression, NoCompression
+
+        self.runtime, self.run, self.shard, self.shapes, self.timeouts = runtime, run, shard, shapes, timeouts
+        self.sparse = run.outer.outer == "sparseloco"
+        if self.sparse:
+            averaged = [torch.zeros(BARRIER_SIZE)]
+            self.compressor = ErrorFeedbackCompressor(shapes, run.sparseloco)
+            self.max_payload = sparse_codec.message_size_bytes(shapes, run.sparseloco)
+        else:
+            averaged = [torch.zeros(s) for s in shapes]
+            self.momentum = [torch.zeros(s) for s in shapes]
+        self.averager = ShardAverager(
+            averaged,
+            runtime.dht,
+            prefix=shard_group_prefix(run.run_id, shard),
+            start=True,
+            min_group_size=2,
+            min_matchmaking_time=timeouts.matchmaking_s,
+            request_timeout=min(1.0, timeouts.matchmaking_s / 2),  # below min_matchmaking_time (hivemind-notes)
+            allreduce_timeout=timeouts.round_timeout_s,
+            next_chunk_timeout=min(5.0, timeouts.round_timeout_s),
+            compression=Float16Compression() if run.outer.diloco_wire == "fp16" else NoCompression(),
+            allow_state_sharing=False,  # state travels through our verified blob handler instead
+        )
+        self._message: SparseMessage | None = None
+        self._ef_before: dict[str, Any] = {}
+        self._meta: dict[str, Any] = {}
+
+    # -------------------------------------------------------------------------------------------------- begin
+
+    def begin(self, round_: int, start: list[Tensor], current: list[Tensor], start_fp: str, expected: int) -> Any:
+        """Compute and publish this round's contribution, then start matchmaking in the background."""
+        deltas = [s - c for s, c in zip(start, current, strict=True)]
+        self._message, self._meta = None, {"round": round_, "start_fp": start_fp}
+        if self.sparse:
+            self._ef_before = self.compressor.state_dict()
+            self._message = self.compressor.compress(deltas)  # PayloadError on NaN: caller drops the round
+            payload = sparse_codec.encode(self._message)
+            self.runtime.publish("payload", self.shard, round_, payload)
+            self._meta.update(size=len(payload), digest=digest(payload))
+        else:
+            with self.averager.get_tensors() as tensors:
+                for tensor, delta in zip(tensors, deltas, strict=True):
+                    tensor.copy_(delta)
+        self.averager.prepare_round(round_, max(2, expected))
+        return self.averager.step(gather=self._meta, wait=False, timeout=self.timeouts.round_timeout_s)
+
+    def drop_contribution(self) -> None:
+        """The round failed: forget this round's Δ and restore the error feedback to what it was before it."""
+        if self.sparse and self._message is not None:
+            self.compressor.load_state_dict(self._ef_before)
+            self._message = None
+
+    # ------------------------------------------------------------------------------------------------- finish
+
+    def finish(self, control: Any, start: list[Tensor]) -> ShardOutcome:
+        """Wait for the group, then compute θ(t+1) exactly as every other member does."""
+        try:
+            gathered = control.result(self.timeouts.round_timeout_s + self.timeouts.matchmaking_s)
+        except Exception as e:  # hivemind raises several types for "no group" / "peer vanished"
+            logger.warning("shard %d round %d: no averaging group (%r)", self.shard, self._meta["round"], e)
+            self.drop_contribution()
+            return ShardOutcome(new_tensors=None, in_majority=False)
+        members = sorted(((str(pid), pid, meta) for pid, meta in gathered.items()), key=lambda m: m[0])
+        same_round = [m for m in members if isinstance(m[2], dict) and m[2].get("round") == self._meta["round"]]
+        majority = majority_fingerprint([m[2].get("start_fp", "") for m in same_round])
+        included = [m for m in same_round if m[2].get("start_fp") == majority]
+        me = str(self.runtime.peer_id)
+        in_majority = any(m[0] == me for m in included)
+        if not in_majority:
+            logger.error(
+                "shard %d round %d: my start fingerprint %s differs from the group's %s; re-syncing from a peer",
+                self.shard, self._meta["round"], self._meta["start_fp"], majority,
+            )  # fmt: skip
+            self.drop_contribution()
+            return ShardOutcome(new_tensors=None, group_size=len(members), in_majority=False)
+        if self.sparse:
+            return self._finish_sparse(included, start, len(members))
+        return self._finish_dense(start, len(members))
+
+    def _finish_sparse(
+        self, included: list[tuple[str, Any, dict]], start: list[Tensor], group_size: int
+    ) -> ShardOutcome:
+        round_ = self._meta["round"]
+        messages, names, dropped, received = self._collect_messages(included, round_)
+        result = aggregate(messages, self.shapes, peer_ids=names)
+        dropped += [f"{names[i]}: {reason}" for i, reason in result.dropped]
+        # stay until the others have our payload: quitting early would truncate their round (hivemind-notes, D)
+        self.runtime.wait_until_fetched("payload", self.shard, round_, len(included) - 1, self.timeouts.fetch_timeout_s)
+        sent = self.runtime.bytes_served[("payload", self.shard, round_)]
+        return ShardOutcome(
+            self._sparse_update(start, result.tensors), group_size, len(result.used), dropped, sent, received
+        )
+
+    def _collect_messages(
+        self, included: list[tuple[str, Any, dict]], round_: int
+    ) -> tuple[list[SparseMessage], list[str], list[str], int]:
+        """Our own message plus every other member's, fetched concurrently and verified; bad ones are dropped."""
+        me = str(self.runtime.peer_id)
+        others = [m for m in included if m[0] != me]
+
+        async def fetch_all() -> list[Any]:
+            jobs = [
+                self.runtime.fetch_async(pid, "payload", self.shard, round_, self.max_payload) for _, pid, _ in others
+            ]
+            return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeouts.fetch_timeout_s)
+
+        try:
+            fetched = dict(zip([m[0] for m in others], self.runtime.run(fetch_all()), strict=True))
+        except TimeoutError:
+            fetched = {}
+        messages, names, dropped, received = [], [], [], 0
+        for name, _, meta in included:
+            if name == me:
+                messages.append(self._message)
+                names.append(name)
+                continue
+            got = fetched.get(name, TimeoutError("fetch deadline passed"))
+            if isinstance(got, BaseException):
+                dropped.append(f"{name}: {got!r}")
+                continue
+            data = got[1]
+            received += len(data)
+            if len(data) != meta.get("size") or digest(data) != meta.get("digest"):
+                dropped.append(f"{name}: payload does not match the size/digest it announced")
+                continue
+            try:
+                messages.append(sparse_codec.decode(data, self.shapes, self.run.sparseloco))
+                names.append(name)
+            except PayloadError as e:
+                dropped.append(f"{name}: {e}")
+        for reason in dropped:
+            logger.warning("shard %d round %d: dropped contribution %s", self.shard, round_, reason)
+        return messages, names, dropped, received
+
+    def _finish_dense(self, start: list[Tensor], group_size: int) -> ShardOutcome:
+        """DiLoCo: the averager already holds mean Δ; Nesterov outer SGD on top."""
+        with self.averager.get_tensors() as tensors:
+            new = self._dense_update(start, [t.clone() for t in tensors])
+        # bytes of hivemind's butterfly all-reduce: each peer sends (R−1)/R of its vector and receives as much back
+        wire_bytes = 2 if self.run.outer.diloco_wire == "fp16" else 4
+        n = sum(t.numel() for t in start)
+        moved = int(n * wire_bytes * (group_size - 1) / group_size)
+        return ShardOutcome(new, group_size, group_size, [], moved, moved)
+
+    # ----------------------------------------------------------------------------------------- outer updates
+
+    def solo(self, start: list[Tensor], current: list[Tensor]) -> ShardOutcome:
+        """No one else is in this round: apply our own contribution with the same rule (a group of one)."""
+        deltas = [s - c for s, c in zip(start, current, strict=True)]
+        if not self.sparse:
+            return ShardOutcome(self._dense_update(start, deltas), 1, 1)
+        result = aggregate([self.compressor.compress(deltas)], self.shapes)
+        return ShardOutcome(self._sparse_update(start, result.tensors), 1, 1)
+
+    def _sparse_update(self, start: list[Tensor], aggregate_: list[Tensor]) -> list[Tensor]:
+        """θ(t+1) = θ(t) − α·aggregate: plain SGD, the error feedback already plays the role of momentum."""
+        alpha = self.run.outer.outer_lr
+        return [s - alpha * a.to(s.dtype) for s, a in zip(start, aggregate_, strict=True)]
+
+    def _dense_update(self, start: list[Tensor], mean_delta: list[Tensor]) -> list[Tensor]:
+        """DiLoCo's outer Nesterov SGD: m ← μ·m + Δ̄; θ(t+1) = θ(t) − lr·(Δ̄ + μ·m)."""
+        lr, mu = self.run.outer.diloco_lr, self.run.outer.diloco_momentum
+        new = []
+        for s, d, m in zip(start, mean_delta, self.momentum, strict=True):
+            m.mul_(mu).add_(d)
+            new.append(s - lr * (d + mu * m))
+        return new
+
+    # ------------------------------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.sparse:
+            return {"error_feedback": self.compressor.state_dict()}
+        return {"momentum": [m.clone() for m in self.momentum]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.sparse:
+            self.compressor.load_state_dict(state["error_feedback"])
+        else:
+            for m, saved in zip(self.momentum, state["momentum"], strict=True):
+                m.copy_(saved)
+
+    def shutdown(self) -> None:
+        if self.averager.is_alive():
+            self.averager.shutdown()

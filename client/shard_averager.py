@@ -1,0 +1,48 @@
+"""hivemind's DecentralizedAverager, with a per-round matchmaking key and group size.
+
+Rounds must never mix: a peer still finishing round t must not match with one already in round t+1. The round
+number therefore goes into the group bits of the matchmaking key. The expected group size changes as peers join
+and leave; the averager forms a group as soon as that many peers are present, instead of always waiting the full
+matchmaking window. Both settings live in the averager's background process, so they are sent through its
+command pipe like hivemind's own `set_group_bits`.
+
+This reaches into three attributes of hivemind 1.1.12's matchmaking (pinned exactly in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hivemind import DecentralizedAverager
+from hivemind.utils.mpfuture import MPFuture
+
+ROUND_BITS = 16
+"""Rounds are told apart modulo 2**16 in the matchmaking key; far more than peers can drift apart."""
+
+
+def round_group_bits(round_: int) -> str:
+    return format(round_ % (1 << ROUND_BITS), f"0{ROUND_BITS}b")
+
+
+class ShardAverager(DecentralizedAverager):
+    """One parameter shard's averaging group member (see module docstring)."""
+
+    def prepare_round(self, round_: int, expected_group_size: int) -> None:
+        """Match only with peers in the same round; stop waiting once `expected_group_size` peers are in."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_prepare_round", [], dict(group_bits=round_group_bits(round_), target=expected_group_size, future=future))
+        )
+        future.result()
+
+    async def _prepare_round(self, group_bits: str, target: int, future: MPFuture) -> None:
+        try:
+            matchmaking: Any = self._matchmaking
+            matchmaking.group_key_manager.group_bits = group_bits
+            matchmaking.target_group_size = target
+            matchmaking.group_key_manager.target_group_size = target
+            matchmaking.potential_leaders.target_group_size = target
+            future.set_result(None)
+        except Exception as e:
+            if not future.done():
+                future.set_exception(e)

@@ -1,0 +1,200 @@
+"""A node's connection to the swarm: hivemind DHT, a background event loop, and blob serving over P2P streams.
+
+Blobs are what peers fetch from each other outside hivemind's averaging protocol: a round's compressed
+pseudo-gradient (`payload`) and a shard's current weights (`state`, for late joiners and re-syncs). They are
+served from memory by a stream handler registered on the DHT's own libp2p daemon, so they share its peer id.
+Every byte served or fetched is counted here, from the messages actually written to or read from the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hetero_node.protocol.errors import PeerAddressError
+from hetero_node.protocol.keys import blob_handler_name, progress_key
+from hetero_node.protocol.proto_build import load_proto_module
+
+logger = logging.getLogger(__name__)
+wire = load_proto_module("wire")
+
+T = TypeVar("T")
+BLOB_PIECE_BYTES = 1 << 20
+"""Stream pieces stay far below libp2p's 4 MiB message cap (hivemind-notes: large unary messages fail)."""
+KEPT_ROUNDS = 2
+"""Payloads of the last rounds stay served, so a slow peer can still fetch them after we moved on."""
+
+
+def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
+    """Validate `--peers` values: each must be a full multiaddr ending in /p2p/<peer id>."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    parsed = []
+    for address in addresses:
+        try:
+            maddr = Multiaddr(address)
+            maddr.value_for_protocol("p2p")
+        except Exception as e:  # multiaddr raises several unrelated types for malformed input
+            raise PeerAddressError(
+                f"{address!r} is not a peer multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... ({e})"
+            ) from None
+        parsed.append(str(maddr))
+    return parsed
+
+
+class PeerRuntime:
+    """Owns the DHT, a background asyncio loop thread, the blob handler and the byte counters."""
+
+    def __init__(
+        self,
+        run_id: str,
+        initial_peers: list[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        identity_path: Path | None = None,
+        announce_maddrs: list[str] | None = None,
+    ) -> None:
+        import hivemind
+
+        self.run_id = run_id
+        peers = parse_peer_multiaddrs(initial_peers)
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=peers,
+                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                announce_maddrs=announce_maddrs,
+                identity_path=str(identity_path) if identity_path else None,
+                start=True,
+            )
+        except Exception as e:  # hivemind reports unreachable bootstraps as a generic error from its child
+            raise PeerAddressError(f"could not join the swarm through {peers}: {e}") from None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hetero-node-p2p", daemon=True)
+        self._thread.start()
+        self._blobs: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
+        self._blobs_lock = threading.Lock()
+        self.bytes_served: dict[tuple[str, int, int], int] = defaultdict(int)
+        self.requests_served: dict[tuple[str, int, int], int] = defaultdict(int)
+        self.p2p = self.run(self._start_p2p())
+        self.peer_id = self.p2p.peer_id
+
+    async def _start_p2p(self) -> Any:
+        p2p = await self.dht.replicate_p2p()
+        await p2p.add_protobuf_handler(
+            blob_handler_name(self.run_id), self._serve_blob, wire.BlobRequest, stream_output=True
+        )
+        return p2p
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the background loop from the calling (training) thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    # ------------------------------------------------------------------------------------------------ blobs
+
+    def publish(self, kind: str, shard: int, round_: int, data: bytes) -> None:
+        """Serve `data` as (kind, shard, round); older rounds beyond KEPT_ROUNDS are forgotten."""
+        with self._blobs_lock:
+            rounds = self._blobs[(kind, shard)]
+            rounds[round_] = data
+            for old in sorted(rounds)[:-KEPT_ROUNDS]:
+                del rounds[old]
+
+    def _lookup(self, kind: str, shard: int, round_: int) -> tuple[int, bytes] | None:
+        with self._blobs_lock:
+            rounds = self._blobs.get((kind, shard), {})
+            if kind == "state":  # any state at least as new as asked for; the newest one
+                newest = max((r for r in rounds if r >= round_), default=None)
+                return None if newest is None else (newest, rounds[newest])
+            return (round_, rounds[round_]) if round_ in rounds else None
+
+    async def _serve_blob(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        found = self._lookup(request.kind, request.shard, request.round)
+        if found is None:
+            raise KeyError(f"no {request.kind} for shard {request.shard} round {request.round} here")
+        round_, data = found
+        key = (request.kind, request.shard, round_)
+        for start in range(0, max(len(data), 1), BLOB_PIECE_BYTES):
+            piece = wire.BlobChunk(data=data[start : start + BLOB_PIECE_BYTES], total_size=len(data), round=round_)
+            self.bytes_served[key] += piece.ByteSize()
+            yield piece
+        self.requests_served[key] += 1
+
+    def fetch(
+        self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int, timeout: float
+    ) -> tuple[int, bytes]:
+        """Download a blob from `peer_id`; returns (its round, bytes). Raises on timeout, error or oversize."""
+        return self.run(asyncio.wait_for(self.fetch_async(peer_id, kind, shard, round_, max_size), timeout))
+
+    async def fetch_async(self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int) -> tuple[int, bytes]:
+        request = wire.BlobRequest(kind=kind, shard=shard, round=round_)
+        pieces, received, served_round, announced = [], 0, None, -1
+        stream = await self.p2p.iterate_protobuf_handler(
+            peer_id, blob_handler_name(self.run_id), request, wire.BlobChunk
+        )
+        async for piece in stream:
+            if piece.total_size > max_size:
+                raise ValueError(f"peer {peer_id} offers {piece.total_size} bytes, more than the {max_size} expected")
+            served_round, announced = piece.round, piece.total_size
+            pieces.append(piece.data)
+            received += len(piece.data)
+            if received > announced:
+                raise ValueError(f"peer {peer_id} sent more bytes than it announced")
+        if served_round is None or received != announced:
+            raise ValueError(f"peer {peer_id} sent a truncated {kind} ({received} of {announced} bytes)")
+        return served_round, b"".join(pieces)
+
+    def wait_until_fetched(self, kind: str, shard: int, round_: int, count: int, timeout: float) -> int:
+        """Block until `count` peers fetched our blob (or timeout); returns how many did.
+
+        A peer that quits right after its own step truncates what slower peers receive (hivemind-notes, D):
+        staying until the others have our payload makes that impossible for the payloads we serve.
+        """
+        deadline = time.monotonic() + timeout
+        key = (kind, shard, round_)
+        while self.requests_served[key] < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.requests_served[key]
+
+    # --------------------------------------------------------------------------------------------- progress
+
+    def store_progress(self, record: dict[str, Any], ttl: float) -> None:
+        """Announce our round, fingerprints and loss; expires unless refreshed (a dead peer disappears)."""
+        from hivemind.utils import get_dht_time
+
+        self.dht.store(
+            progress_key(self.run_id),
+            subkey=str(self.peer_id),
+            value=record,
+            expiration_time=get_dht_time() + ttl,
+            return_future=True,
+        )
+
+    def read_progress(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
+        """Live peers' progress records by peer id (ours included); {} when the DHT does not answer in time."""
+        future = self.dht.get(progress_key(self.run_id), latest=True, return_future=True)
+        try:
+            found = future.result(timeout)
+        except Exception as e:  # a DHT that does not answer must not stall training (hivemind-notes, H)
+            logger.warning("reading peer progress from the DHT failed: %r", e)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
+
+    def shutdown(self) -> None:
+        """Stop the DHT (and its p2pd) and the loop; safe to call twice."""
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        if self.dht.is_alive():
+            self.dht.shutdown()

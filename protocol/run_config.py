@@ -1,0 +1,98 @@
+"""The run definition every peer of one swarm must share, and its identity.
+
+Anything that changes what bits peers exchange or what model they train belongs here: the model preset, the
+number of parameter shards, H, the outer method and its compression, the inner optimizer, seeds, and the data
+and tokenizer identities. `run_id` hashes all of it; DHT keys and averaging groups are derived from it, so two
+runs (or two peers that disagree on a setting) never mix their averages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.sparseloco import SparseLoCoConfig
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
+
+OUTER_METHODS = ("sparseloco", "diloco")
+DILOCO_WIRE_DTYPES = ("fp32", "fp16")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Inner AdamW with cosine decay: the loop every replica runs between outer rounds."""
+
+    lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final LR as a fraction of the peak (cosine floor)."})
+    warmup_steps: int = field(default=50, metadata={"help": "Linear LR warm-up, in inner steps."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay."})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    grad_clip: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this value (0: off)."})
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ConfigError(f"invalid optimizer settings: {self}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError(f"invalid optimizer settings: {self}")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """How replicas turn H local steps into one shared outer step."""
+
+    outer: str = field(default="sparseloco", metadata={"help": "Outer method: sparseloco or diloco (dense baseline)."})
+    inner_steps: int = field(default=30, metadata={"help": "H: inner steps per outer round."})
+    rounds: int = field(default=20, metadata={"help": "Outer rounds in the run (also sets the LR schedule length)."})
+    stages: int = field(default=2, metadata={"help": "Parameter shards (= pipeline stages); one averaging group each."})
+    outer_lr: float = field(default=1.0, metadata={"help": "SparseLoCo outer step size α (plain SGD, no momentum)."})
+    diloco_lr: float = field(default=0.7, metadata={"help": "DiLoCo outer Nesterov learning rate."})
+    diloco_momentum: float = field(default=0.9, metadata={"help": "DiLoCo outer Nesterov momentum."})
+    diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
+
+    def __post_init__(self) -> None:
+        if self.outer not in OUTER_METHODS:
+            raise ConfigError(f"--outer must be one of {', '.join(OUTER_METHODS)}, got {self.outer!r}")
+        if self.diloco_wire not in DILOCO_WIRE_DTYPES:
+            raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
+        if min(self.inner_steps, self.rounds, self.stages) < 1 or self.outer_lr <= 0 or self.diloco_lr <= 0:
+            raise ConfigError(f"inner steps, rounds, stages and outer learning rates must be positive: {self}")
+        if not 0 <= self.diloco_momentum < 1:
+            raise ConfigError(f"--diloco-momentum must be in [0, 1), got {self.diloco_momentum}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything peers of one run agree on; see the module docstring."""
+
+    preset: str
+    vocab_size: int
+    batch_size: int
+    seq_len: int
+    seed: int
+    data_shards: int
+    data_identity: str
+    tokenizer_identity: str
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
+    protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.outer.rounds * self.outer.inner_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def run_id(self) -> str:
+        """Short stable hash of the whole config: the namespace of every DHT key and averaging group of the run."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
