@@ -1,4 +1,4 @@
-"""Node-side configuration: the inner optimizer and the local training job.
+"""Node-side configuration of the local training job (the inner optimizer lives in the run config).
 
 Defaults are chosen to work on a 2-core laptop CPU with the `small` preset; every field becomes a CLI option
 (see `client/options.py`), so the help text here is the user's documentation.
@@ -10,25 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.run_config import OptimConfig
 
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Inner AdamW with cosine decay: the loop every replica runs between outer rounds."""
-
-    lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate."})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final LR as a fraction of the peak (cosine floor)."})
-    warmup_steps: int = field(default=50, metadata={"help": "Linear LR warm-up, in inner steps."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decoupled weight decay."})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
-    grad_clip: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this value (0: off)."})
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError(f"invalid optimizer settings: {self}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError(f"invalid optimizer settings: {self}")
+__all__ = ["OptimConfig", "TrainConfig"]
 
 
 @dataclass(frozen=True)
