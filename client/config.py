@@ -1,4 +1,7 @@
-"""Node-side configuration of the local training job (the inner optimizer lives in the run config).
+"""Node-side configuration: the local training job, a node's run options, where it lives, how long it waits.
+
+Kept free of torch and hivemind imports so the CLI (built from these dataclasses) starts instantly; the inner
+optimizer and outer settings live in `protocol/run_config.py` because peers must agree on them.
 
 Defaults are chosen to work on a 2-core laptop CPU with the `small` preset; every field becomes a CLI option
 (see `client/options.py`), so the help text here is the user's documentation.
@@ -12,7 +15,7 @@ from pathlib import Path
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.run_config import OptimConfig
 
-__all__ = ["OptimConfig", "TrainConfig"]
+__all__ = ["NodeConfig", "OptimConfig", "RunOptions", "SyncTimeouts", "TrainConfig"]
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,54 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if min(self.steps, self.batch_size, self.seq_len, self.eval_every, self.eval_batches) < 1:
             raise ConfigError(f"steps, batch size, sequence length and eval settings must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The model, batch and data part of the run definition (the rest: OuterConfig, OptimConfig, SparseLoCoConfig)."""
+
+    preset: str = field(default="small", metadata={"help": "Model preset: tiny, small, 178m, 560m or 1b."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
+    seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
+    data_shards: int = field(default=16, metadata={"help": "The corpus is cut into this many disjoint shards."})
+    data: Path | None = field(
+        default=None, metadata={"help": "Your text: a .txt file, a directory of them, or JSONL with a 'text' field."}
+    )
+    tokenizer: Path | None = field(
+        default=None, metadata={"help": "A Hugging Face tokenizer.json (default: byte-level, no file needed)."}
+    )
+    cache_dir: Path | None = field(
+        default=None, metadata={"help": "Corpus and token cache (default: $HETERO_NODE_CACHE or ~/.cache/hetero-node)."}
+    )
+
+    def __post_init__(self) -> None:
+        if min(self.batch_size, self.seq_len, self.data_shards) < 1 or self.seed < 0:
+            raise ConfigError(f"batch size, sequence length and data shards must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where this node lives and how it behaves; none of it must match other peers."""
+
+    peers: list[str] = field(default_factory=list, metadata={"help": "Multiaddrs of peers to join through."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Interface to listen on (0.0.0.0 for all)."})
+    port: int = field(default=0, metadata={"help": "TCP port to listen on (0: any free port)."})
+    identity: Path | None = field(default=None, metadata={"help": "Private key file: keeps the peer id stable."})
+    replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
+    checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
+    metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
+    eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
+    eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
+    progress_ttl_s: float = field(default=20.0, metadata={"help": "Our progress record expires after this."})
+    linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
+
+
+@dataclass(frozen=True)
+class SyncTimeouts:
+    """How long a round waits for others; a dead or frozen peer costs at most these (hivemind-notes, C)."""
+
+    matchmaking_s: float = field(default=4.0, metadata={"help": "How long a round's group waits for late members."})
+    round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
+    fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})

@@ -11,15 +11,14 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from hetero_node.client.checkpoint import from_bytes, load_checkpoint, save_checkpoint, to_bytes
+from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.metrics import MetricsWriter, RoundRecord
-from hetero_node.client.outer_sync import ShardOutcome, ShardSync, SyncTimeouts
+from hetero_node.client.outer_sync import ShardOutcome, ShardSync
 from hetero_node.client.swarm_runtime import PeerRuntime
 from hetero_node.client.trainer import InnerTrainer, resolve_device
 from hetero_node.models.config import get_preset
@@ -30,24 +29,6 @@ from hetero_node.protocol.errors import CheckpointError, HeteroNodeError, Payloa
 from hetero_node.protocol.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """Where this node lives and how it behaves; none of it must match other peers."""
-
-    peers: list[str] = field(default_factory=list, metadata={"help": "Multiaddrs of peers to join through."})
-    host: str = field(default="127.0.0.1", metadata={"help": "Interface to listen on (0.0.0.0 for all)."})
-    port: int = field(default=0, metadata={"help": "TCP port to listen on (0: any free port)."})
-    identity: Path | None = field(default=None, metadata={"help": "Private key file: keeps the peer id stable."})
-    replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
-    checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
-    metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
-    eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
-    eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
-    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
-    progress_ttl_s: float = field(default=20.0, metadata={"help": "Our progress record expires after this."})
-    linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
 
 
 class FullReplica:
@@ -151,7 +132,8 @@ class FullReplica:
                 for sync, sync_state in zip(self.syncs, state["syncs"], strict=True):
                     sync.load_state_dict(sync_state)
                 self.round = int(state["round"])
-                logger.info("resumed from checkpoint at round %d", self.round)
+                outer_state = fingerprint([t for sync in self.syncs for t in sync.outer_state_tensors()])
+                logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
         swarm_round = max((r.get("round", 0) for r in self.runtime.read_progress().values()), default=0)
         if swarm_round > self.round:
             self._load_from_peers(min_round=swarm_round)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.shard_averager import ShardAverager
 from hetero_node.client.swarm_runtime import PeerRuntime
 from hetero_node.protocol import sparse_codec
@@ -47,15 +48,6 @@ logger = logging.getLogger(__name__)
 
 BARRIER_SIZE = 16
 """Floats in the dummy tensor hivemind averages in sparseloco mode (it must average something)."""
-
-
-@dataclass(frozen=True)
-class SyncTimeouts:
-    """How long a round waits for others; a dead or frozen peer costs at most these (hivemind-notes, C)."""
-
-    matchmaking_s: float = field(default=4.0, metadata={"help": "How long a round's group waits for late members."})
-    round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
-    fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})
 
 
 @dataclass
@@ -264,6 +256,10 @@ class ShardSync:
         if self.sparse:
             return {"error_feedback": self.compressor.state_dict()}
         return {"momentum": [m.clone() for m in self.momentum]}
+
+    def outer_state_tensors(self) -> list[Tensor]:
+        """The replica's own outer state: error-feedback buffers (sparseloco) or outer momentum (diloco)."""
+        return self.compressor.state_dict()["buffers"] if self.sparse else self.momentum
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.sparse:

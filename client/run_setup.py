@@ -6,40 +6,13 @@ together (see `protocol/run_config.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-
+from hetero_node.client.config import RunOptions
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import TokenStore, build_token_store
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.protocol.errors import ConfigError
-from hetero_node.protocol.run_config import OptimConfig, OuterConfig, RunConfig
-from hetero_node.protocol.sparseloco import SparseLoCoConfig
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """The model, batch and data part of the run definition (the rest: OuterConfig, OptimConfig, SparseLoCoConfig)."""
-
-    preset: str = field(default="small", metadata={"help": "Model preset: tiny, small, 178m, 560m or 1b."})
-    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
-    seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
-    seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
-    data_shards: int = field(default=16, metadata={"help": "The corpus is cut into this many disjoint shards."})
-    data: Path | None = field(
-        default=None, metadata={"help": "Your text: a .txt file, a directory of them, or JSONL with a 'text' field."}
-    )
-    tokenizer: Path | None = field(
-        default=None, metadata={"help": "A Hugging Face tokenizer.json (default: byte-level, no file needed)."}
-    )
-    cache_dir: Path | None = field(
-        default=None, metadata={"help": "Corpus and token cache (default: $HETERO_NODE_CACHE or ~/.cache/hetero-node)."}
-    )
-
-    def __post_init__(self) -> None:
-        if min(self.batch_size, self.seq_len, self.data_shards) < 1 or self.seed < 0:
-            raise ConfigError(f"batch size, sequence length and data shards must be positive: {self}")
+from hetero_node.protocol.run_config import OptimConfig, OuterConfig, RunConfig, SparseLoCoConfig
 
 
 def prepare_run(

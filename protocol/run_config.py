@@ -11,17 +11,43 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from hetero_node.protocol.errors import ConfigError
-from hetero_node.protocol.sparseloco import SparseLoCoConfig
 
 PROTOCOL_VERSION = 1
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
+MAX_CHUNK = 64
+"""Largest chunk side: in-chunk indices must fit the 12 bits of the wire format (64² = 4096)."""
+
 OUTER_METHODS = ("sparseloco", "diloco")
 DILOCO_WIRE_DTYPES = ("fp32", "fp16")
+
+
+@dataclass(frozen=True)
+class SparseLoCoConfig:
+    """Compression settings; `chunk` and `topk` shape the wire format, the rest only the sender's state."""
+
+    chunk: int = field(default=64, metadata={"help": "Chunk side: matrices in chunk×chunk blocks, vectors in chunk²."})
+    topk: int = field(default=64, metadata={"help": "Entries kept per full chunk of chunk² (density topk/chunk²)."})
+    ef_decay: float = field(default=0.95, metadata={"help": "Error-feedback decay β; the buffer is outer momentum."})
+    value_bits: int = field(default=2, metadata={"help": "Bits per transmitted value (only 2 is supported)."})
+    range_sigmas: float = field(default=6.0, metadata={"help": "Quantizer range in σ; step = range_sigmas·σ/4."})
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk <= MAX_CHUNK:
+            raise ConfigError(f"chunk must be in 1..{MAX_CHUNK} (12-bit in-chunk indices), got {self.chunk}")
+        if not 1 <= self.topk <= self.chunk * self.chunk:
+            raise ConfigError(f"topk must be in 1..chunk²={self.chunk * self.chunk}, got {self.topk}")
+        if not 0.0 <= self.ef_decay <= 1.0:
+            raise ConfigError(f"ef_decay must be in [0, 1], got {self.ef_decay}")
+        if self.value_bits != 2:
+            raise ConfigError(f"only 2-bit values are supported, got value_bits={self.value_bits}")
+        if not (math.isfinite(self.range_sigmas) and self.range_sigmas > 0):
+            raise ConfigError(f"range_sigmas must be a positive number, got {self.range_sigmas}")
 
 
 @dataclass(frozen=True)

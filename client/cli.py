@@ -1,0 +1,229 @@
+"""The `hetero-node` command line (Typer).
+
+Module import stays light (no torch, no hivemind) so `hetero-node --help` answers at once; each command imports
+what it runs. User-causable errors (`HeteroNodeError`) are turned into one red line in `main`, the console
+script's entry point, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from enum import Enum
+from importlib.metadata import version
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+
+from hetero_node.bootstrap.node import BootstrapConfig
+from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
+from hetero_node.client.demo import DemoConfig
+from hetero_node.client.metrics import RoundRecord
+from hetero_node.client.options import expand_dataclass_options
+from hetero_node.models.paths import default_cache_dir
+from hetero_node.protocol.errors import ConfigError, HeteroNodeError
+from hetero_node.protocol.run_config import OuterConfig, SparseLoCoConfig
+
+PROG_NAME = "hetero-node"
+
+app = typer.Typer(
+    name=PROG_NAME,
+    help="Volunteer compute for heterogeneous, low-bandwidth LLM pre-training over hivemind.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals of a training loop are tensors: noise, and slow to render
+)
+data_app = typer.Typer(help="The training corpus: fetch it once, then every run trains offline.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class LogLevel(str, Enum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+def _configure_logging(level: LogLevel) -> None:
+    """Rich log lines on stderr (they scroll above a live progress bar); hivemind reads its level from the
+    environment when first imported, which no command does before this runs."""
+    os.environ["HIVEMIND_LOGLEVEL"] = level.value
+    handler = RichHandler(console=err_console, show_path=False)
+    logging.basicConfig(level=level.value, format="%(name)s: %(message)s", handlers=[handler], force=True)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"{PROG_NAME} {version(PROG_NAME)}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    log_level: LogLevel = typer.Option(
+        LogLevel.WARNING, "--log-level", case_sensitive=False, help="Log verbosity (hivemind's included)."
+    ),
+    _version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    _configure_logging(log_level)
+
+
+@app.command()
+@expand_dataclass_options
+def train(
+    cfg: TrainConfig,
+    optim: OptimConfig,
+    report: Path | None = typer.Option(None, "--report", help="Also write the run summary to this JSON file."),
+) -> None:
+    """Train a model in this process alone: the quality baseline, and a check that this machine works."""
+    from hetero_node.client.local_train import run_local_training  # torch: imported only when it is needed
+    from hetero_node.client.progress import print_table, train_summary_rows, training_progress
+
+    if report is not None and not report.parent.is_dir():  # fail now, not after the whole run
+        raise ConfigError(f"--report {report}: directory {report.parent} does not exist")
+    with training_progress(err_console, f"train {cfg.preset}") as on_progress:
+        summary = run_local_training(cfg, optim, on_progress)
+    print_table(console, "local training", ("", ""), train_summary_rows(summary))
+    if report is not None:
+        report.write_text(json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
+        console.print(f"report written to {report}", markup=False, highlight=False, soft_wrap=True)
+
+
+@data_app.command("fetch")
+def data_fetch(
+    cache_dir: Path | None = typer.Option(
+        None, "--cache-dir", help="Where to keep it (default: $HETERO_NODE_CACHE or ~/.cache/hetero-node)."
+    ),
+) -> None:
+    """Download the bundled corpus (sha256-verified) and tokenize it, so the first training run starts at once."""
+    from hetero_node.models.corpus import fetch_bundled_corpus
+    from hetero_node.models.data import build_token_store
+    from hetero_node.models.tokenizer import load_tokenizer
+
+    cache_dir = cache_dir or default_cache_dir()
+    with err_console.status("fetching and tokenizing the bundled corpus"):
+        archive = fetch_bundled_corpus(cache_dir)
+        store = build_token_store(None, load_tokenizer(None), cache_dir)
+    for line in (
+        f"bundled corpus: {archive}",
+        f"token cache: {store.n_tokens:,} byte-level tokens under {cache_dir / 'tokens'}",
+        f"data identity: {store.identity}",
+    ):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def main() -> None:
+    """Console-script entry point: a `HeteroNodeError` becomes `error: ...` and exit code 1, never a traceback."""
+    try:
+        app(prog_name=PROG_NAME)
+    except HeteroNodeError as e:
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
+        sys.exit(1)
+
+
+def _not_available(what: str) -> NoReturn:
+    err_console.print(f"[bold red]not available yet:[/] {escape(what)}", soft_wrap=True, highlight=False)
+    raise typer.Exit(2)
+
+
+class Role(str, Enum):
+    FULL = "full"
+    AUTO = "auto"
+    STAGE = "stage"
+
+
+@app.command()
+@expand_dataclass_options
+def bootstrap(cfg: BootstrapConfig) -> None:
+    """Run a bootstrap node: a DHT peer with a stable identity and port that volunteers join through."""
+    from hetero_node.bootstrap.node import BootstrapNode
+
+    node = BootstrapNode(cfg)
+    signal.signal(signal.SIGINT, lambda *_: node.stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
+    console.print(f"bootstrap peer id: {node.dht.peer_id}", markup=False, highlight=False)
+    console.print("volunteers join with:", markup=False)
+    console.print(f"  hetero-node join --peers {node.join_addresses[0]}", markup=False, highlight=False, soft_wrap=True)
+    node.serve_forever()
+
+
+@app.command()
+@expand_dataclass_options
+def join(
+    run_options: RunOptions,
+    outer: OuterConfig,
+    optim: OptimConfig,
+    sparseloco: SparseLoCoConfig,
+    node: NodeConfig,
+    timeouts: SyncTimeouts,
+    role: Role = typer.Option(Role.AUTO, "--role", help="full (hold the whole model); auto picks full for now."),
+    quiet: bool = typer.Option(False, "--quiet", help="No live status line (for logs and scripts)."),
+) -> None:
+    """Join a swarm and train: load the run's data, catch up with the swarm, take part in every round."""
+    from hetero_node.client.full_replica import FullReplica
+    from hetero_node.client.run_setup import prepare_run
+
+    if role is Role.STAGE:
+        _not_available("--role stage (pipeline stages) arrives with the virtual-replica work")
+    if not node.peers:
+        raise ConfigError("--peers is required: the multiaddr printed by `hetero-node bootstrap`")
+    node = dataclasses.replace(node, peers=[p for arg in node.peers for p in arg.replace(",", " ").split()])
+    run, store = prepare_run(run_options, outer, optim, sparseloco)
+    replica = FullReplica(run, node, store, timeouts)
+    if quiet:
+        replica.run()
+        return
+    with err_console.status(f"run {run.run_id}: joining the swarm") as status_line:
+
+        def show(record: RoundRecord) -> None:
+            rate = record.tokens / max(record.compute_s + record.comm_s, 1e-9)
+            status_line.update(
+                f"round {record.round + 1}/{run.outer.rounds}  loss {record.train_loss:.3f}  "
+                f"{rate:,.0f} tokens/s  {record.bytes_sent:,} bytes/round  group {record.group_size}"
+            )
+
+        replica.run(on_round=show)
+
+
+@app.command()
+def status() -> None:
+    """Show the swarm's peers, roles and progress (coming with the membership work)."""
+    _not_available("`hetero-node status` arrives with the membership work")
+
+
+@app.command()
+@expand_dataclass_options
+def demo(cfg: DemoConfig) -> None:
+    """Run a local swarm on this machine: a bootstrap and N full replicas, live table, summary, optional report."""
+    from hetero_node.client.demo import run_demo
+    from hetero_node.client.progress import print_table
+
+    report = run_demo(cfg, console)
+    summary = report["summary"]
+    rows = [(key.replace("_", " "), _format(value)) for key, value in summary.items()]
+    print_table(console, "demo summary", ("", ""), rows)
+    if summary["failed_peers"]:
+        raise HeteroNodeError(f"peers failed: {summary['failed_peers']}; see their logs in the work directory")
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if value < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Start a bootstrap and peers as separate `hetero-node` processes on 127.0.0.1, and always stop them all.
+
+Used by `hetero-node demo` and by the multi-peer tests, so both exercise exactly what a user runs. Each process
+gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child, averager
+children and p2pd with it (hivemind-notes, E: killing only the main process orphans them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hetero_node.protocol.errors import HeteroNodeError
+
+JOIN_LINE = re.compile(r"--peers\s+(\S+)")
+
+
+class LocalSwarm:
+    """A set of local peer processes with logs under `workdir`; use as a context manager."""
+
+    def __init__(self, workdir: Path, threads_per_peer: int = 1) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.bootstrap_maddr: str | None = None
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads_per_peer),  # peers share the CPU; oversubscription slows all of them
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def log_path(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def start(self, name: str, args: list[str], program: list[str] | None = None) -> subprocess.Popen:
+        """Run `hetero-node ARGS` (or `PROGRAM ARGS`) as peer `name`, output to `<workdir>/<name>.log`."""
+        log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it; closed when the child is reaped
+        process = subprocess.Popen(
+            [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+        self.processes[name] = process
+        return process
+
+    def start_bootstrap(self, timeout: float = 90.0) -> str:
+        """Start a bootstrap on a free loopback port; returns its multiaddr once it printed the join line."""
+        identity = self.workdir / "bootstrap.id"
+        process = self.start(
+            "bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--identity", str(identity)]
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = JOIN_LINE.search(self.log_path("bootstrap").read_text())
+            if match:
+                self.bootstrap_maddr = match.group(1)
+                return self.bootstrap_maddr
+            if process.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise HeteroNodeError(f"bootstrap did not start; see {self.log_path('bootstrap')}")
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        """Signal a peer's whole process group, wait, and SIGKILL the group if it does not exit in time."""
+        process = self.processes[name]
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, sig)
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            except ProcessLookupError:
+                pass
+        self._kill_group_leftovers(process.pid)
+        return process.returncode
+
+    @staticmethod
+    def _kill_group_leftovers(pgid: int) -> None:
+        """Children that outlive their parent (p2pd) stay in the group: make sure none survives."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    def wait(self, name: str, timeout: float) -> int:
+        return self.processes[name].wait(timeout)
+
+    def stop_all(self) -> None:
+        for name in list(self.processes):
+            self.stop(name, timeout=10.0)

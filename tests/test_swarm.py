@@ -1,0 +1,160 @@
+"""Multi-peer tests: a bootstrap and full replicas as separate `hetero-node` processes on 127.0.0.1.
+
+Every peer runs the real CLI (`hetero-node join`), hivemind DHT, matchmaking and libp2p streams; nothing is
+mocked. The `tiny` preset with short rounds keeps each scenario under a minute or two on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hetero_node.client.checkpoint import CHECKPOINT_NAME
+from hetero_node.client.local_swarm import LocalSwarm
+from hetero_node.client.metrics import read_metrics
+from hetero_node.models.shards import fingerprint
+
+pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]
+
+FAULTY_PEER = [sys.executable, str(Path(__file__).parent / "peers" / "faulty_peer.py")]
+
+
+def join_args(peers: str, index: int, workdir: Path, rounds: int, inner_steps: int = 8, **extra: str) -> list[str]:
+    """One replica of the tests' run; every replica of a test must get the same run settings."""
+    args = [
+        "--log-level", "INFO", "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
+        "--preset", "tiny", "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
+        "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
+        "--matchmaking-s", "3", "--round-timeout-s", "20", "--fetch-timeout-s", "10", "--progress-ttl-s", "10",
+        "--metrics", str(workdir / f"r{index}.jsonl"), "--checkpoint-dir", str(workdir / f"r{index}.ckpt"), "--quiet",
+    ]  # fmt: skip
+    for key, value in extra.items():
+        args += [f"--{key.replace('_', '-')}", value]
+    return args
+
+
+def rounds_of(workdir: Path, index: int) -> dict[int, dict[str, Any]]:
+    """Replica `index`'s round records by round (a restarted replica's later record wins)."""
+    return {r["round"]: r for r in read_metrics(workdir / f"r{index}.jsonl")[1]}
+
+
+def wait_for_round(workdir: Path, index: int, round_: int, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if round_ in rounds_of(workdir, index):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"replica {index} did not complete round {round_} within {timeout} s")
+
+
+def assert_all_exit_cleanly(swarm: LocalSwarm, names: list[str], timeout: float = 240.0) -> None:
+    for name in names:
+        code = swarm.wait(name, timeout)
+        assert code == 0, f"{name} exited with {code}; log:\n{swarm.log_path(name).read_text()[-3000:]}"
+
+
+def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(3):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=3))
+        assert_all_exit_cleanly(swarm, [f"r{i}" for i in range(3)])
+    replicas = [rounds_of(tmp_path, i) for i in range(3)]
+    for t in range(3):
+        records = [r[t] for r in replicas]
+        assert len({json.dumps(r["fingerprints"], sort_keys=True) for r in records}) == 1, f"round {t} disagrees"
+        for r in records:
+            assert r["group_size"] == 3 and r["contributors"] == 3 and not r["dropped"]
+            assert 0 < r["bytes_sent"] <= r["dense_allreduce_bytes"] / 20
+            assert 0 < r["bytes_received"] <= r["dense_allreduce_bytes"] / 20
+    assert replicas[0][2]["eval_loss"] < replicas[0][0]["eval_loss"] < 5.6  # ln(256) ≈ 5.55 at init
+
+
+def test_killed_replica_does_not_stop_the_others(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(3):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=5, inner_steps=20))
+        wait_for_round(tmp_path, 2, 1)
+        time.sleep(0.5)  # inside round 2's inner steps
+        swarm.stop("r2", sig=signal.SIGKILL)
+        assert_all_exit_cleanly(swarm, ["r0", "r1"])
+    r0, r1 = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
+    assert set(r0) == set(r1) == set(range(5))
+    assert r0[4]["group_size"] == 2, "the dead replica should be gone from the last round's group"
+    for t in (3, 4):
+        assert r0[t]["fingerprints"] == r1[t]["fingerprints"], f"survivors disagree after round {t}"
+
+
+def test_late_joiner_catches_up(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(2):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=5, inner_steps=20))
+        wait_for_round(tmp_path, 0, 1)
+        swarm.start("r2", join_args(peers, 2, tmp_path, rounds=5, inner_steps=20))
+        assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
+    late, early = rounds_of(tmp_path, 2), rounds_of(tmp_path, 0)
+    first = min(late)
+    assert first >= 2, "the late replica should start at the swarm's round, not at 0"
+    assert late[first]["fingerprints"] == early[first]["fingerprints"], "late joiner disagrees after its first round"
+    assert "loaded the swarm's state" in (tmp_path / "r2.log").read_text()
+
+
+def ef_fingerprint(checkpoint_dir: Path) -> str:
+    state = torch.load(checkpoint_dir / CHECKPOINT_NAME, weights_only=True)
+    return fingerprint([b for sync in state["syncs"] for b in sync["error_feedback"]["buffers"]])
+
+
+def test_restart_resumes_from_checkpoint_with_error_feedback(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(2):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=6, inner_steps=20))
+        wait_for_round(tmp_path, 1, 1)
+        pgid = swarm.processes["r1"].pid
+        os.killpg(pgid, signal.SIGTERM)
+        assert swarm.wait("r1", 60) == 0, "SIGTERM should end the replica cleanly"
+        with pytest.raises(ProcessLookupError):  # no p2pd or averager child outlived it
+            os.killpg(pgid, 0)
+        saved = torch.load(tmp_path / "r1.ckpt" / CHECKPOINT_NAME, weights_only=True)
+        saved_ef = ef_fingerprint(tmp_path / "r1.ckpt")
+        before = set(rounds_of(tmp_path, 1))
+        swarm.start("r1", join_args(peers, 1, tmp_path, rounds=6, inner_steps=20))
+        assert_all_exit_cleanly(swarm, ["r0", "r1"])
+    log = (tmp_path / "r1.log").read_text()
+    assert f"resumed from checkpoint at round {saved['round']} (error feedback {saved_ef})" in log
+    resumed = sorted(set(rounds_of(tmp_path, 1)) - before)
+    assert resumed and resumed[0] >= saved["round"]
+    r0, r1 = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
+    assert r0[5]["fingerprints"] == r1[5]["fingerprints"]
+
+
+def run_pair(workdir: Path, faulty_modes: list[str]) -> dict[int, dict[str, Any]]:
+    """Two honest replicas plus one faulty peer per mode; returns honest replica 0's rounds."""
+    with LocalSwarm(workdir) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(2):
+            swarm.start(f"r{i}", join_args(peers, i, workdir, rounds=2))
+        for j, mode in enumerate(faulty_modes):
+            swarm.start(f"faulty{j}", [mode, *join_args(peers, 2 + j, workdir, rounds=2)], program=FAULTY_PEER)
+        assert_all_exit_cleanly(swarm, ["r0", "r1"])
+    return rounds_of(workdir, 0)
+
+
+def test_garbage_and_nan_payloads_are_dropped_and_change_nothing(tmp_path: Path) -> None:
+    attacked = run_pair(tmp_path / "attacked", ["garbage", "nan"])
+    clean = run_pair(tmp_path / "clean", [])
+    first = attacked[0]
+    assert first["group_size"] == 4 and first["contributors"] == 2
+    assert len(first["dropped"]) == 2
+    # the honest pair's result is bit-identical to a run in which the faulty peers never existed
+    assert first["fingerprints"] == clean[0]["fingerprints"]
