@@ -59,8 +59,13 @@ def _configure_logging(level: LogLevel) -> None:
     """Rich log lines on stderr (they scroll above a live progress bar); hivemind reads its level from the
     environment when first imported, which no command does before this runs."""
     os.environ["HIVEMIND_LOGLEVEL"] = level.value
-    handler = RichHandler(console=err_console, show_path=False)
-    logging.basicConfig(level=level.value, format="%(name)s: %(message)s", handlers=[handler], force=True)
+    if err_console.is_terminal:
+        handler: logging.Handler = RichHandler(console=err_console, show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:  # a log file: one unwrapped line per record, greppable
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.value, handlers=[handler], force=True)
 
 
 def _show_version(value: bool) -> None:

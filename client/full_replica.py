@@ -53,6 +53,9 @@ class FullReplica:
     def shard_params(self, shard: int) -> list[torch.Tensor]:
         return shard_tensors(self.model, self.shard_names[shard])
 
+    def _clone_shards(self) -> list[list[torch.Tensor]]:
+        return [[p.detach().clone() for p in self.shard_params(s)] for s in range(len(self.syncs))]
+
     def shard_fingerprints(self) -> dict[str, str]:
         return {str(s): fingerprint(self.shard_params(s)) for s in range(len(self.shard_names))}
 
@@ -98,13 +101,21 @@ class FullReplica:
             )  # fmt: skip
             self._restore()
             while self.round < self.run_cfg.outer.rounds and not self.stop.is_set():
+                self._catch_up()
+                if self.round >= self.run_cfg.outer.rounds:
+                    break
                 record = self._one_round()
                 if record is not None:
                     self.metrics.write(record)
                     if on_round is not None:
                         on_round(record)
-            if not self.stop.is_set():
-                self.stop.wait(self.node.linger_s)  # slower peers may still fetch our last payload
+            if not self.stop.is_set():  # serve the final state and our last payload to slower peers for a while
+                self._publish_state()
+                self.runtime.store_progress(
+                    {"round": self.round, "fingerprints": self.shard_fingerprints(), "role": "full"},
+                    self.node.progress_ttl_s,
+                )
+                self.stop.wait(self.node.linger_s)
         finally:
             self.close()
 
@@ -134,6 +145,10 @@ class FullReplica:
                 self.round = int(state["round"])
                 outer_state = fingerprint([t for sync in self.syncs for t in sync.outer_state_tensors()])
                 logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """If the swarm is ahead of us (we joined late, restarted, or fell behind), load its newest state."""
         swarm_round = max((r.get("round", 0) for r in self.runtime.read_progress().values()), default=0)
         if swarm_round > self.round:
             self._load_from_peers(min_round=swarm_round)
@@ -170,7 +185,7 @@ class FullReplica:
             time.sleep(0.5)
 
     def _download_state(self, donor: str, record: dict[str, Any], donor_round: int) -> bool:
-        from hivemind import PeerID
+        from hivemind.p2p import PeerID
 
         peer = PeerID.from_base58(donor)
         states = []
@@ -208,7 +223,7 @@ class FullReplica:
         self._publish_state()
         progress = {"round": t, "fingerprints": start_fps, "role": "full"}
         self.runtime.store_progress(progress, self.node.progress_ttl_s)
-        start = [[p.detach().clone() for p in self.shard_params(s)] for s in range(len(self.syncs))]
+        start = self._clone_shards()
 
         compute_start = time.perf_counter()
         self.trainer.step = t * run.outer.inner_steps  # LR schedule position is a function of the round
@@ -226,11 +241,12 @@ class FullReplica:
         outcomes = self._outer_step(t, start, start_fps)
         resynced = any(o.new_tensors is None for o in outcomes)
         if resynced:
+            trained = self._clone_shards()
             for shard, shard_start in enumerate(start):  # roll back to θ(t), then fetch θ(t+1) or go solo
                 self.set_shard(shard, shard_start)
             if not self._load_from_peers(min_round=t + 1, wait_s=self.timeouts.round_timeout_s):
                 logger.warning("round %d: no peer reached round %d; applying my own contribution alone", t, t + 1)
-                outcomes = self._solo_step(t, start)
+                outcomes = self._solo_step(t, start, trained)
                 resynced = False
         else:
             for shard, outcome in enumerate(outcomes):
@@ -265,9 +281,9 @@ class FullReplica:
     def _outer_step(self, t: int, start: list[list[torch.Tensor]], start_fps: dict[str, str]) -> list[ShardOutcome]:
         """Run all shards' rounds concurrently: matchmaking for every shard starts before any result is awaited."""
         records = self.runtime.read_progress()
-        expected = max(1, sum(1 for r in records.values() if r.get("round") == t))
-        if expected == 1:
-            return self._solo_step(t, start)
+        if set(records) <= {str(self.runtime.peer_id)}:  # nobody else is alive: a group of one
+            return self._solo_step(t, start, self._clone_shards())
+        expected = max(2, sum(1 for r in records.values() if r.get("round") == t))
         controls = []
         for shard, sync in enumerate(self.syncs):
             current = [p.detach() for p in self.shard_params(shard)]
@@ -276,18 +292,25 @@ class FullReplica:
             except PayloadError as e:
                 logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); skipping the round", t, shard, e)
                 controls.append(None)
+
+        def swarm_moved_on() -> bool:
+            return any(r.get("round", -1) > t for r in self.runtime.read_progress(timeout=1.0).values())
+
         return [
-            sync.finish(control, start[shard]) if control is not None else ShardOutcome(new_tensors=None)
+            sync.finish(control, start[shard], swarm_moved_on)
+            if control is not None
+            else ShardOutcome(new_tensors=None)
             for shard, (sync, control) in enumerate(zip(self.syncs, controls, strict=True))
         ]
 
-    def _solo_step(self, t: int, start: list[list[torch.Tensor]]) -> list[ShardOutcome]:
+    def _solo_step(
+        self, t: int, start: list[list[torch.Tensor]], trained: list[list[torch.Tensor]]
+    ) -> list[ShardOutcome]:
         """Nobody else is in this round: the aggregate of one contribution (keeps the same update rule)."""
         outcomes = []
         for shard, sync in enumerate(self.syncs):
-            current = [p.detach() for p in self.shard_params(shard)]
             try:
-                outcomes.append(sync.solo(start[shard], current))
+                outcomes.append(sync.solo(start[shard], trained[shard]))
             except HeteroNodeError as e:
                 logger.error("round %d shard %d: %s; keeping θ(t)", t, shard, e)
                 outcomes.append(ShardOutcome(new_tensors=[s.clone() for s in start[shard]]))

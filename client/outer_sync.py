@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +128,8 @@ class ShardSync:
                 for tensor, delta in zip(tensors, deltas, strict=True):
                     tensor.copy_(delta)
         self.averager.prepare_round(round_, max(2, expected))
-        return self.averager.step(gather=self._meta, wait=False, timeout=self.timeouts.round_timeout_s)
+        # a group that has not formed after a few matchmaking windows will not form: give up and re-sync instead
+        return self.averager.step(gather=self._meta, wait=False, timeout=3 * self.timeouts.matchmaking_s)
 
     def drop_contribution(self) -> None:
         """The round failed: forget this round's Δ and restore the error feedback to what it was before it."""
@@ -136,10 +139,22 @@ class ShardSync:
 
     # ------------------------------------------------------------------------------------------------- finish
 
-    def finish(self, control: Any, start: list[Tensor]) -> ShardOutcome:
-        """Wait for the group, then compute θ(t+1) exactly as every other member does."""
+    def finish(self, control: Any, start: list[Tensor], swarm_moved_on: Callable[[], bool]) -> ShardOutcome:
+        """Wait for the group, then compute θ(t+1) exactly as every other member does.
+
+        While still looking for a group, `swarm_moved_on` is polled: once others have finished this round without
+        us (we joined or arrived late), waiting longer cannot help, so matchmaking is cancelled at once.
+        """
+        from hivemind.averaging.control import AveragingStage
+
+        deadline = time.monotonic() + self.timeouts.round_timeout_s + self.timeouts.matchmaking_s
+        while not control.done() and time.monotonic() < deadline:
+            if control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on():
+                control.cancel()
+                break
+            time.sleep(0.5)
         try:
-            gathered = control.result(self.timeouts.round_timeout_s + self.timeouts.matchmaking_s)
+            gathered = control.result(0.1)
         except Exception as e:  # hivemind raises several types for "no group" / "peer vanished"
             logger.warning("shard %d round %d: no averaging group (%r)", self.shard, self._meta["round"], e)
             self.drop_contribution()

@@ -9,6 +9,7 @@ Every byte served or fetched is counted here, from the messages actually written
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -194,6 +195,8 @@ class PeerRuntime:
     def shutdown(self) -> None:
         """Stop the DHT (and its p2pd) and the loop; safe to call twice."""
         if self._loop.is_running():
+            with contextlib.suppress(Exception):  # closing the replica's daemon connection before its loop stops
+                self.run(self.p2p.shutdown(), timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         if self.dht.is_alive():

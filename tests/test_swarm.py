@@ -98,14 +98,17 @@ def test_late_joiner_catches_up(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         peers = swarm.start_bootstrap()
         for i in range(2):
-            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=5, inner_steps=20))
-        wait_for_round(tmp_path, 0, 1)
-        swarm.start("r2", join_args(peers, 2, tmp_path, rounds=5, inner_steps=20))
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=16, inner_steps=20))
+        wait_for_round(tmp_path, 0, 0)
+        swarm.start("r2", join_args(peers, 2, tmp_path, rounds=16, inner_steps=20))
         assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
     late, early = rounds_of(tmp_path, 2), rounds_of(tmp_path, 0)
     first = min(late)
-    assert first >= 2, "the late replica should start at the swarm's round, not at 0"
-    assert late[first]["fingerprints"] == early[first]["fingerprints"], "late joiner disagrees after its first round"
+    assert first >= 1, "the late replica should train from the swarm's round, not from 0"
+    for t in sorted(late)[1:]:  # its first round may be one it joined halfway through: then it re-syncs
+        assert late[t]["fingerprints"] == early[t]["fingerprints"], f"late joiner disagrees after round {t}"
+    assert late[first]["fingerprints"] == early[first]["fingerprints"] or late[first]["resynced"]
+    assert max(r["contributors"] for r in early.values()) == 3, "the late joiner never contributed"
     assert "loaded the swarm's state" in (tmp_path / "r2.log").read_text()
 
 
@@ -155,6 +158,6 @@ def test_garbage_and_nan_payloads_are_dropped_and_change_nothing(tmp_path: Path)
     clean = run_pair(tmp_path / "clean", [])
     first = attacked[0]
     assert first["group_size"] == 4 and first["contributors"] == 2
-    assert len(first["dropped"]) == 2
+    assert len(first["dropped"]) == 2 * 2  # two faulty peers, each dropped in both shard groups
     # the honest pair's result is bit-identical to a run in which the faulty peers never existed
     assert first["fingerprints"] == clean[0]["fingerprints"]
