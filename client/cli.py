@@ -226,7 +226,9 @@ def demo(cfg: DemoConfig) -> None:
 
 def _format(value: object) -> str:
     if isinstance(value, float):
-        return f"{value:,.3f}" if value < 1000 else f"{value:,.0f}"
+        return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
     return str(value)
 
 

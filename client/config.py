@@ -92,6 +92,9 @@ class NodeConfig:
 class SyncTimeouts:
     """How long a round waits for others; a dead or frozen peer costs at most these (hivemind-notes, C)."""
 
-    matchmaking_s: float = field(default=4.0, metadata={"help": "How long a round's group waits for late members."})
+    matchmaking_s: float = field(default=4.0, metadata={"help": "Shortest wait of a round's group for late members."})
+    straggler_fraction: float = field(
+        default=0.25, metadata={"help": "A group also waits this fraction of the round's compute time for members."}
+    )
     round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
     fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})

@@ -111,7 +111,7 @@ class FullReplica:
                         on_round(record)
             if not self.stop.is_set():  # serve the final state and our last payload to slower peers for a while
                 self._publish_state()
-                self.runtime.store_progress(
+                self.runtime.announce(
                     {"round": self.round, "fingerprints": self.shard_fingerprints(), "role": "full"},
                     self.node.progress_ttl_s,
                 )
@@ -149,7 +149,8 @@ class FullReplica:
 
     def _catch_up(self) -> None:
         """If the swarm is ahead of us (we joined late, restarted, or fell behind), load its newest state."""
-        swarm_round = max((r.get("round", 0) for r in self.runtime.read_progress().values()), default=0)
+        records = self.runtime.read_progress() or {}
+        swarm_round = max((r.get("round", 0) for r in records.values()), default=0)
         if swarm_round > self.round:
             self._load_from_peers(min_round=swarm_round)
 
@@ -166,20 +167,22 @@ class FullReplica:
     def _load_from_peers(self, min_round: int, wait_s: float = 0.0) -> bool:
         """Download every shard at round ≥ min_round from a peer whose advertised fingerprints it matches."""
         deadline = time.monotonic() + wait_s
+        failed: set[tuple[str, int]] = set()  # a donor that failed for a round is not asked again for it
         me = str(self.runtime.peer_id)
         while True:
-            records = self.runtime.read_progress()
+            records = self.runtime.read_progress() or {}
             donors = sorted(
                 (
                     (rec["round"], pid)
                     for pid, rec in records.items()
-                    if pid != me and rec.get("round", -1) >= min_round
+                    if pid != me and rec.get("round", -1) >= min_round and (pid, rec["round"]) not in failed
                 ),
                 reverse=True,
             )
             for donor_round, donor in donors:
                 if self._download_state(donor, records[donor], donor_round):
                     return True
+                failed.add((donor, donor_round))
             if time.monotonic() >= deadline or self.stop.is_set():
                 return False
             time.sleep(0.5)
@@ -222,7 +225,7 @@ class FullReplica:
         start_fps = self.shard_fingerprints()
         self._publish_state()
         progress = {"round": t, "fingerprints": start_fps, "role": "full"}
-        self.runtime.store_progress(progress, self.node.progress_ttl_s)
+        self.runtime.announce(progress, self.node.progress_ttl_s)
         start = self._clone_shards()
 
         compute_start = time.perf_counter()
@@ -235,10 +238,10 @@ class FullReplica:
             losses.append(self.trainer.train_step(x, y))
         compute_s = time.perf_counter() - compute_start
         train_loss = sum(losses) / len(losses)
-        self.runtime.store_progress({**progress, "loss": train_loss}, self.node.progress_ttl_s)
+        self.runtime.announce({**progress, "loss": train_loss}, self.node.progress_ttl_s)
 
         comm_start = time.perf_counter()
-        outcomes = self._outer_step(t, start, start_fps)
+        outcomes = self._outer_step(t, start, start_fps, compute_s)
         resynced = any(o.new_tensors is None for o in outcomes)
         if resynced:
             trained = self._clone_shards()
@@ -278,23 +281,28 @@ class FullReplica:
             dense_allreduce_bytes=int(2 * 4 * self.n_params * (group - 1) / group) if group > 1 else 0,
         )
 
-    def _outer_step(self, t: int, start: list[list[torch.Tensor]], start_fps: dict[str, str]) -> list[ShardOutcome]:
+    def _outer_step(
+        self, t: int, start: list[list[torch.Tensor]], start_fps: dict[str, str], compute_s: float
+    ) -> list[ShardOutcome]:
         """Run all shards' rounds concurrently: matchmaking for every shard starts before any result is awaited."""
         records = self.runtime.read_progress()
-        if set(records) <= {str(self.runtime.peer_id)}:  # nobody else is alive: a group of one
+        if records is not None and set(records) <= {str(self.runtime.peer_id)}:  # nobody else is alive
             return self._solo_step(t, start, self._clone_shards())
+        records = records or {}
         expected = max(2, sum(1 for r in records.values() if r.get("round") == t))
+        wait_s = max(self.timeouts.matchmaking_s, self.timeouts.straggler_fraction * compute_s)
         controls = []
         for shard, sync in enumerate(self.syncs):
             current = [p.detach() for p in self.shard_params(shard)]
             try:
-                controls.append(sync.begin(t, start[shard], current, start_fps[str(shard)], expected))
+                controls.append(sync.begin(t, start[shard], current, start_fps[str(shard)], expected, wait_s))
             except PayloadError as e:
                 logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); skipping the round", t, shard, e)
                 controls.append(None)
 
         def swarm_moved_on() -> bool:
-            return any(r.get("round", -1) > t for r in self.runtime.read_progress(timeout=1.0).values())
+            records = self.runtime.read_progress(timeout=1.0) or {}
+            return any(r.get("round", -1) > t for r in records.values())
 
         return [
             sync.finish(control, start[shard], swarm_moved_on)

@@ -113,8 +113,15 @@ class ShardSync:
 
     # -------------------------------------------------------------------------------------------------- begin
 
-    def begin(self, round_: int, start: list[Tensor], current: list[Tensor], start_fp: str, expected: int) -> Any:
-        """Compute and publish this round's contribution, then start matchmaking in the background."""
+    def begin(
+        self, round_: int, start: list[Tensor], current: list[Tensor], start_fp: str, expected: int, wait_s: float
+    ) -> Any:
+        """Compute and publish this round's contribution, then start matchmaking in the background.
+
+        The group forms as soon as `expected` members are in, or after `wait_s` with at least two.
+        """
+        from hivemind.utils import get_dht_time
+
         deltas = [s - c for s, c in zip(start, current, strict=True)]
         self._message, self._meta = None, {"round": round_, "start_fp": start_fp}
         if self.sparse:
@@ -128,8 +135,13 @@ class ShardSync:
                 for tensor, delta in zip(tensors, deltas, strict=True):
                     tensor.copy_(delta)
         self.averager.prepare_round(round_, max(2, expected))
-        # a group that has not formed after a few matchmaking windows will not form: give up and re-sync instead
-        return self.averager.step(gather=self._meta, wait=False, timeout=3 * self.timeouts.matchmaking_s)
+        # a group that has not formed a while after its window will not form: give up and re-sync instead
+        return self.averager.step(
+            gather=self._meta,
+            scheduled_time=get_dht_time() + wait_s,
+            wait=False,
+            timeout=wait_s + 2 * self.timeouts.matchmaking_s,
+        )
 
     def drop_contribution(self) -> None:
         """The round failed: forget this round's Δ and restore the error feedback to what it was before it."""

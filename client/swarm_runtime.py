@@ -82,6 +82,8 @@ class PeerRuntime:
         self._blobs_lock = threading.Lock()
         self.bytes_served: dict[tuple[str, int, int], int] = defaultdict(int)
         self.requests_served: dict[tuple[str, int, int], int] = defaultdict(int)
+        self._progress: tuple[dict[str, Any], float] = ({}, 0.0)
+        self._heartbeat: Any = None
         self.p2p = self.run(self._start_p2p())
         self.peer_id = self.p2p.peer_id
 
@@ -168,32 +170,50 @@ class PeerRuntime:
 
     # --------------------------------------------------------------------------------------------- progress
 
-    def store_progress(self, record: dict[str, Any], ttl: float) -> None:
-        """Announce our round, fingerprints and loss; expires unless refreshed (a dead peer disappears)."""
+    def announce(self, record: dict[str, Any], ttl: float) -> None:
+        """Publish our progress record now and keep re-publishing it every ttl/3 s until replaced or shut down.
+
+        The record expires ttl seconds after its last refresh, so a dead peer disappears from everyone's view
+        while a live one stays visible however long its inner steps take.
+        """
+        self._progress = (record, ttl)
+        self._store_progress()
+        if self._heartbeat is None:
+            self._heartbeat = asyncio.run_coroutine_threadsafe(self._refresh_progress(), self._loop)
+
+    def _store_progress(self) -> None:
         from hivemind.utils import get_dht_time
 
+        record, ttl = self._progress
         self.dht.store(
             progress_key(self.run_id),
             subkey=str(self.peer_id),
             value=record,
             expiration_time=get_dht_time() + ttl,
-            return_future=True,
+            return_future=True,  # a lost store is repaired by the next refresh (hivemind-notes, H)
         )
 
-    def read_progress(self, timeout: float = 5.0) -> dict[str, dict[str, Any]]:
-        """Live peers' progress records by peer id (ours included); {} when the DHT does not answer in time."""
+    async def _refresh_progress(self) -> None:
+        while True:
+            await asyncio.sleep(self._progress[1] / 3)
+            self._store_progress()
+
+    def read_progress(self, timeout: float = 5.0) -> dict[str, dict[str, Any]] | None:
+        """Live peers' progress records by peer id (ours included); None when the DHT does not answer in time."""
         future = self.dht.get(progress_key(self.run_id), latest=True, return_future=True)
         try:
             found = future.result(timeout)
         except Exception as e:  # a DHT that does not answer must not stall training (hivemind-notes, H)
             logger.warning("reading peer progress from the DHT failed: %r", e)
-            return {}
+            return None
         if found is None or not isinstance(found.value, dict):
             return {}
         return {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
 
     def shutdown(self) -> None:
         """Stop the DHT (and its p2pd) and the loop; safe to call twice."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._loop.is_running():
             with contextlib.suppress(Exception):  # closing the replica's daemon connection before its loop stops
                 self.run(self.p2p.shutdown(), timeout=5)
