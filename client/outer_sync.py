@@ -211,7 +211,8 @@ class ShardSync:
 
         async def fetch_all() -> list[Any]:
             jobs = [
-                self.runtime.fetch_async(pid, "payload", self.shard, round_, self.max_payload) for _, pid, _ in others
+                self.runtime.fetch_with_retries(pid, "payload", self.shard, round_, self.max_payload)
+                for _, pid, _ in others
             ]
             return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeouts.fetch_timeout_s)
 

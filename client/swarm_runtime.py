@@ -136,7 +136,20 @@ class PeerRuntime:
         self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int, timeout: float
     ) -> tuple[int, bytes]:
         """Download a blob from `peer_id`; returns (its round, bytes). Raises on timeout, error or oversize."""
-        return self.run(asyncio.wait_for(self.fetch_async(peer_id, kind, shard, round_, max_size), timeout))
+        return self.run(asyncio.wait_for(self.fetch_with_retries(peer_id, kind, shard, round_, max_size), timeout))
+
+    async def fetch_with_retries(
+        self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int, attempts: int = 3
+    ) -> tuple[int, bytes]:
+        """`fetch_async`, retried: a libp2p stream occasionally closes early under load, and one lost payload
+        would leave this peer out of agreement for a round."""
+        for attempt in range(attempts - 1):
+            try:
+                return await self.fetch_async(peer_id, kind, shard, round_, max_size)
+            except Exception as e:  # transport errors come in many types; the last attempt raises them
+                logger.info("fetching %s of shard %d from %s failed (%r); retrying", kind, shard, peer_id, e)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        return await self.fetch_async(peer_id, kind, shard, round_, max_size)
 
     async def fetch_async(self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int) -> tuple[int, bytes]:
         request = wire.BlobRequest(kind=kind, shard=shard, round=round_)
