@@ -180,12 +180,14 @@ def join(
     """Join a swarm and train: load the run's data, catch up with the swarm, take part in every round."""
     from hetero_node.client.full_replica import FullReplica
     from hetero_node.client.run_setup import prepare_run
+    from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
 
     if role is Role.STAGE:
         _not_available("--role stage (pipeline stages) arrives with the virtual-replica work")
     if not node.peers:
         raise ConfigError("--peers is required: the multiaddr printed by `hetero-node bootstrap`")
-    node = dataclasses.replace(node, peers=[p for arg in node.peers for p in arg.replace(",", " ").split()])
+    peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
+    node = dataclasses.replace(node, peers=peers)  # checked before the data loads: a typo fails in a second
     run, store = prepare_run(run_options, outer, optim, sparseloco)
     replica = FullReplica(run, node, store, timeouts)
     if quiet:

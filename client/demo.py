@@ -35,6 +35,7 @@ class DemoConfig:
     seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
     stages: int = field(default=2, metadata={"help": "Parameter shards (one averaging group each)."})
     outer: str = field(default="sparseloco", metadata={"help": "sparseloco, or diloco for the dense baseline."})
+    diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
     lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate."})
     report: Path | None = field(default=None, metadata={"help": "Write the JSON report here."})
     workdir: Path | None = field(
@@ -52,7 +53,8 @@ def replica_args(cfg: DemoConfig, peers: str, index: int, workdir: Path) -> list
         "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
         "--preset", cfg.preset, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
         "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--stages", str(cfg.stages),
-        "--outer", cfg.outer, "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
+        "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
+        "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
         "--metrics", str(workdir / f"replica{index}.jsonl"),
         "--checkpoint-dir", str(workdir / f"replica{index}.ckpt"), "--quiet",
     ]  # fmt: skip

@@ -1,0 +1,112 @@
+"""Single-process tests of the node's pieces: run identity, group agreement rule, checkpoints, peer addresses."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetero_node.client.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from hetero_node.client.outer_sync import majority_fingerprint
+from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
+from hetero_node.protocol.errors import CheckpointError, PeerAddressError
+from hetero_node.protocol.run_config import OuterConfig, RunConfig, SparseLoCoConfig
+
+PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
+
+
+def run_config(**changes: object) -> RunConfig:
+    base = RunConfig(
+        preset="tiny",
+        vocab_size=256,
+        batch_size=8,
+        seq_len=64,
+        seed=0,
+        data_shards=16,
+        data_identity="d" * 64,
+        tokenizer_identity="t" * 64,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_run_id_is_stable_and_covers_every_setting() -> None:
+    assert run_config().run_id == run_config().run_id
+    variants = [
+        run_config(seed=1),
+        run_config(data_identity="e" * 64),
+        run_config(tokenizer_identity="u" * 64),
+        run_config(outer=OuterConfig(inner_steps=31)),
+        run_config(outer=OuterConfig(outer="diloco")),
+        run_config(sparseloco=SparseLoCoConfig(topk=32)),
+    ]
+    ids = {v.run_id for v in variants} | {run_config().run_id}
+    assert len(ids) == len(variants) + 1, "two different runs would share averaging groups"
+
+
+def test_majority_fingerprint_is_the_same_for_every_member() -> None:
+    assert majority_fingerprint(["b", "a", "b"]) == "b"
+    # a tie goes to the smallest value, whatever order members list it in
+    assert majority_fingerprint(["b", "a"]) == majority_fingerprint(["a", "b"]) == "a"
+
+
+def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
+    state = {"run_id": "abc", "round": 3, "model": {"w": torch.arange(4.0)}}
+    save_checkpoint(tmp_path, state)
+    loaded = load_checkpoint(tmp_path, "abc")
+    assert loaded["round"] == 3 and torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert list(tmp_path.iterdir()) == [tmp_path / CHECKPOINT_NAME], "no temporary file left behind"
+
+    with pytest.raises(CheckpointError, match="belongs to run abc"):
+        load_checkpoint(tmp_path, "other-run")
+
+    path = tmp_path / CHECKPOINT_NAME
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(tmp_path, "abc")
+    assert load_checkpoint(tmp_path / "missing", "abc") is None
+
+
+@pytest.mark.parametrize("bad", ["garbage", "/ip4/127.0.0.1/tcp/31337", "/ip4/999.0.0.1/tcp/1/p2p/x", ""])
+def test_malformed_peer_addresses_are_refused(bad: str) -> None:
+    with pytest.raises(PeerAddressError, match="multiaddr"):
+        parse_peer_multiaddrs([bad])
+    assert parse_peer_multiaddrs([PEER]) == [PEER]
+
+
+def test_join_with_a_bad_address_fails_fast_with_one_line(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "hetero_node.client.cli", "join", "--peers", "/ip4/1.2.3.4/tcp/5", "--preset", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "error:" in result.stderr and "is not a peer multiaddr" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_join_through_an_unreachable_bootstrap_is_a_clear_error() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetero_node.client.cli",
+            "join",
+            "--peers",
+            PEER.replace("31337", "1"),
+            "--preset",
+            "tiny",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 1
+    assert "could not join the swarm" in result.stderr and "Traceback" not in result.stderr
