@@ -7,6 +7,7 @@ fixed port), to keep its routing table fresh, and to print the exact line volunt
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ class BootstrapNode:
             proto = "ip6" if ":" in cfg.announce else ("ip4" if cfg.announce.replace(".", "").isdigit() else "dns4")
             announce = [f"/{proto}/{cfg.announce}/tcp/{cfg.port}"]
         cfg.identity.parent.mkdir(parents=True, exist_ok=True)
+        multiprocessing.set_start_method("fork", force=True)  # hivemind's DHT process only works when forked
         try:
             self.dht = hivemind.DHT(
                 host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],

@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +65,12 @@ class FullReplica:
         for param, value in zip(self.shard_params(shard), tensors, strict=True):
             param.copy_(value)
 
+    def _announce(self, fingerprints: dict[str, str], **extra: Any) -> None:
+        """Our progress record: the round we hold the start weights of, and their fingerprints (donors are checked
+        against them), refreshed by the runtime's heartbeat."""
+        record = {"round": self.round, "fingerprints": fingerprints, "role": "full", **extra}
+        self.runtime.announce(record, self.node.progress_ttl_s)
+
     def _install_signal_handlers(self) -> None:
         """Ctrl-C / SIGTERM end the run after the current step; hivemind's averager ignores SIGINT otherwise."""
 
@@ -76,7 +83,7 @@ class FullReplica:
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
-    def run(self, on_round: Any = None) -> None:
+    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> None:
         """Join, catch up, train every round, leave cleanly (no p2pd or child process left behind)."""
         try:
             self.runtime = PeerRuntime(
@@ -111,10 +118,7 @@ class FullReplica:
                         on_round(record)
             if not self.stop.is_set():  # serve the final state and our last payload to slower peers for a while
                 self._publish_state()
-                self.runtime.announce(
-                    {"round": self.round, "fingerprints": self.shard_fingerprints(), "role": "full"},
-                    self.node.progress_ttl_s,
-                )
+                self._announce(self.shard_fingerprints())
                 self.stop.wait(self.node.linger_s)
         finally:
             self.close()
@@ -224,8 +228,7 @@ class FullReplica:
         run, t = self.run_cfg, self.round
         start_fps = self.shard_fingerprints()
         self._publish_state()
-        progress = {"round": t, "fingerprints": start_fps, "role": "full"}
-        self.runtime.announce(progress, self.node.progress_ttl_s)
+        self._announce(start_fps)
         start = self._clone_shards()
 
         compute_start = time.perf_counter()
@@ -238,7 +241,7 @@ class FullReplica:
             losses.append(self.trainer.train_step(x, y))
         compute_s = time.perf_counter() - compute_start
         train_loss = sum(losses) / len(losses)
-        self.runtime.announce({**progress, "loss": train_loss}, self.node.progress_ttl_s)
+        self._announce(start_fps, loss=train_loss)
 
         comm_start = time.perf_counter()
         outcomes = self._outer_step(t, start, start_fps, compute_s)

@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,6 +52,14 @@ BARRIER_SIZE = 16
 """Floats in the dummy tensor hivemind averages in sparseloco mode (it must average something)."""
 
 
+class Member(NamedTuple):
+    """A group member as every member sees it: sorted by `name` (its peer id), the canonical order."""
+
+    name: str
+    peer_id: Any
+    meta: dict[str, Any]
+
+
 @dataclass
 class ShardOutcome:
     """What one shard's round produced and cost."""
@@ -63,7 +71,6 @@ class ShardOutcome:
     dropped: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
-    in_majority: bool = True
 
 
 def digest(data: bytes) -> str:
@@ -170,27 +177,25 @@ class ShardSync:
         except Exception as e:  # hivemind raises several types for "no group" / "peer vanished"
             logger.warning("shard %d round %d: no averaging group (%r)", self.shard, self._meta["round"], e)
             self.drop_contribution()
-            return ShardOutcome(new_tensors=None, in_majority=False)
-        members = sorted(((str(pid), pid, meta) for pid, meta in gathered.items()), key=lambda m: m[0])
-        same_round = [m for m in members if isinstance(m[2], dict) and m[2].get("round") == self._meta["round"]]
-        majority = majority_fingerprint([m[2].get("start_fp", "") for m in same_round])
-        included = [m for m in same_round if m[2].get("start_fp") == majority]
-        me = str(self.runtime.peer_id)
-        in_majority = any(m[0] == me for m in included)
-        if not in_majority:
+            return ShardOutcome(new_tensors=None)
+        members = sorted(
+            Member(str(pid), pid, meta if isinstance(meta, dict) else {}) for pid, meta in gathered.items()
+        )
+        same_round = [m for m in members if m.meta.get("round") == self._meta["round"]]
+        majority = majority_fingerprint([m.meta.get("start_fp", "") for m in same_round])
+        included = [m for m in same_round if m.meta.get("start_fp") == majority]
+        if not any(m.name == str(self.runtime.peer_id) for m in included):
             logger.error(
                 "shard %d round %d: my start fingerprint %s differs from the group's %s; re-syncing from a peer",
                 self.shard, self._meta["round"], self._meta["start_fp"], majority,
             )  # fmt: skip
             self.drop_contribution()
-            return ShardOutcome(new_tensors=None, group_size=len(members), in_majority=False)
+            return ShardOutcome(new_tensors=None, group_size=len(members))
         if self.sparse:
             return self._finish_sparse(included, start, len(members))
         return self._finish_dense(start, len(members))
 
-    def _finish_sparse(
-        self, included: list[tuple[str, Any, dict]], start: list[Tensor], group_size: int
-    ) -> ShardOutcome:
+    def _finish_sparse(self, included: list[Member], start: list[Tensor], group_size: int) -> ShardOutcome:
         round_ = self._meta["round"]
         messages, names, dropped, received = self._collect_messages(included, round_)
         result = aggregate(messages, self.shapes, peer_ids=names)
@@ -203,21 +208,21 @@ class ShardSync:
         )
 
     def _collect_messages(
-        self, included: list[tuple[str, Any, dict]], round_: int
+        self, included: list[Member], round_: int
     ) -> tuple[list[SparseMessage], list[str], list[str], int]:
         """Our own message plus every other member's, fetched concurrently and verified; bad ones are dropped."""
         me = str(self.runtime.peer_id)
-        others = [m for m in included if m[0] != me]
+        others = [m for m in included if m.name != me]
 
         async def fetch_all() -> list[Any]:
             jobs = [
-                self.runtime.fetch_with_retries(pid, "payload", self.shard, round_, self.max_payload)
-                for _, pid, _ in others
+                self.runtime.fetch_with_retries(m.peer_id, "payload", self.shard, round_, self.max_payload)
+                for m in others
             ]
             return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeouts.fetch_timeout_s)
 
         try:
-            fetched = dict(zip([m[0] for m in others], self.runtime.run(fetch_all()), strict=True))
+            fetched = dict(zip([m.name for m in others], self.runtime.run(fetch_all()), strict=True))
         except TimeoutError:
             fetched = {}
         messages, names, dropped, received = [], [], [], 0
@@ -248,10 +253,11 @@ class ShardSync:
         """DiLoCo: the averager already holds mean Δ; Nesterov outer SGD on top."""
         with self.averager.get_tensors() as tensors:
             new = self._dense_update(start, [t.clone() for t in tensors])
-        # bytes of hivemind's butterfly all-reduce: each peer sends (R−1)/R of its vector and receives as much back
+        # hivemind's butterfly all-reduce is a reduce-scatter plus an all-gather: each peer sends (R−1)/R of its
+        # vector to the reducers, then its reduced part to the R−1 others, and receives as much
         wire_bytes = 2 if self.run.outer.diloco_wire == "fp16" else 4
         n = sum(t.numel() for t in start)
-        moved = int(n * wire_bytes * (group_size - 1) / group_size)
+        moved = int(2 * n * wire_bytes * (group_size - 1) / group_size)
         return ShardOutcome(new, group_size, group_size, [], moved, moved)
 
     # ----------------------------------------------------------------------------------------- outer updates

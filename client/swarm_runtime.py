@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import threading
 import time
 from collections import defaultdict
@@ -49,6 +50,12 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     return parsed
 
 
+def use_fork_start_method() -> None:
+    """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
+    state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
+    multiprocessing.set_start_method("fork", force=True)
+
+
 class PeerRuntime:
     """Owns the DHT, a background asyncio loop thread, the blob handler and the byte counters."""
 
@@ -65,6 +72,7 @@ class PeerRuntime:
 
         self.run_id = run_id
         peers = parse_peer_multiaddrs(initial_peers)
+        use_fork_start_method()
         try:
             self.dht = hivemind.DHT(
                 initial_peers=peers,

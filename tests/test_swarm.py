@@ -161,3 +161,37 @@ def test_garbage_and_nan_payloads_are_dropped_and_change_nothing(tmp_path: Path)
     assert len(first["dropped"]) == 2 * 2  # two faulty peers, each dropped in both shard groups
     # the honest pair's result is bit-identical to a run in which the faulty peers never existed
     assert first["fingerprints"] == clean[0]["fingerprints"]
+
+
+def test_corrupt_checkpoint_falls_back_to_the_swarms_state(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(2):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=8, inner_steps=20))
+        wait_for_round(tmp_path, 1, 1)
+        swarm.stop("r1")
+        checkpoint = tmp_path / "r1.ckpt" / CHECKPOINT_NAME
+        checkpoint.write_bytes(b"not a checkpoint" + checkpoint.read_bytes()[100:])
+        before = set(rounds_of(tmp_path, 1))
+        swarm.start("r1", join_args(peers, 1, tmp_path, rounds=8, inner_steps=20))
+        assert_all_exit_cleanly(swarm, ["r0", "r1"])
+    log = (tmp_path / "r1.log").read_text()
+    assert f"checkpoint {checkpoint} is corrupt" in log and "loaded the swarm's state" in log
+    resumed = sorted(set(rounds_of(tmp_path, 1)) - before)
+    assert resumed and resumed[0] >= 2, "it must continue from the swarm's round, not train from scratch"
+    assert rounds_of(tmp_path, 0)[7]["fingerprints"] == rounds_of(tmp_path, 1)[7]["fingerprints"]
+
+
+def test_diloco_baseline_runs_on_the_same_machinery(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap()
+        for i in range(2):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=2, outer="diloco", diloco_wire="fp16"))
+        assert_all_exit_cleanly(swarm, ["r0", "r1"])
+    r0, r1 = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
+    for t in (0, 1):
+        assert r0[t]["fingerprints"] == r1[t]["fingerprints"]
+        assert r0[t]["group_size"] == 2
+        # dense fp16 butterfly: half of the fp32 all-reduce's bytes, i.e. far more than SparseLoCo would send
+        assert abs(r0[t]["bytes_sent"] - r0[t]["dense_allreduce_bytes"] / 2) <= 2  # per-shard rounding
+    assert r0[1]["eval_loss"] < r0[0]["eval_loss"]
