@@ -18,8 +18,9 @@ fewer bytes, and none of hivemind's partial-average failure modes can silently c
 either received whole and verified, or dropped by that peer, and the next round's fingerprint check catches the
 disagreement.
 
-DiLoCo (the baseline) uses hivemind's butterfly all-reduce of the dense pseudo-gradient exactly as OpenDiLoCo does,
-in fp32 or fp16, with outer Nesterov momentum.
+DiLoCo (the baseline) travels the same way with a dense fp32 or fp16 message and a plain mean, then outer Nesterov
+momentum. (hivemind's own butterfly all-reduce of dense tensors was tried first: each peer ends with
+own + (mean − own), which differs from the mean in the last bit from peer to peer, so replicas never agreed.)
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from torch import Tensor
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.shard_averager import ShardAverager
 from hetero_node.client.swarm_runtime import PeerRuntime
-from hetero_node.protocol import sparse_codec
+from hetero_node.protocol import dense_codec, sparse_codec
 from hetero_node.protocol.aggregation import aggregate
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.run_config import RunConfig
-from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor, SparseMessage
+from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,15 @@ def digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+def mean_in_order(contributions: list[list[Tensor]]) -> list[Tensor]:
+    """Plain mean, summed in the given (canonical) order so every member gets the same bits."""
+    totals = [t.clone() for t in contributions[0]]
+    for contribution in contributions[1:]:
+        for total, t in zip(totals, contribution, strict=True):
+            total.add_(t)
+    return [total / len(contributions) for total in totals]
+
+
 def majority_fingerprint(fingerprints: list[str]) -> str:
     """The most common start fingerprint; ties go to the smallest string so every member picks the same one."""
     counts = Counter(fingerprints)
@@ -90,19 +100,16 @@ class ShardSync:
     def __init__(
         self, runtime: PeerRuntime, run: RunConfig, shard: int, shapes: list[tuple[int, ...]], timeouts: SyncTimeouts
     ) -> None:
-        from hivemind.compression import Float16Compression, NoCompression
-
         self.runtime, self.run, self.shard, self.shapes, self.timeouts = runtime, run, shard, shapes, timeouts
         self.sparse = run.outer.outer == "sparseloco"
         if self.sparse:
-            averaged = [torch.zeros(BARRIER_SIZE)]
             self.compressor = ErrorFeedbackCompressor(shapes, run.sparseloco)
             self.max_payload = sparse_codec.message_size_bytes(shapes, run.sparseloco)
         else:
-            averaged = [torch.zeros(s) for s in shapes]
             self.momentum = [torch.zeros(s) for s in shapes]
+            self.max_payload = dense_codec.message_size_bytes(shapes, run.outer.diloco_wire)
         self.averager = ShardAverager(
-            averaged,
+            [torch.zeros(BARRIER_SIZE)],
             runtime.dht,
             prefix=shard_group_prefix(run.run_id, shard),
             start=True,
@@ -111,10 +118,9 @@ class ShardSync:
             request_timeout=min(1.0, timeouts.matchmaking_s / 2),  # below min_matchmaking_time (hivemind-notes)
             allreduce_timeout=timeouts.round_timeout_s,
             next_chunk_timeout=min(5.0, timeouts.round_timeout_s),
-            compression=Float16Compression() if run.outer.diloco_wire == "fp16" else NoCompression(),
             allow_state_sharing=False,  # state travels through our verified blob handler instead
         )
-        self._message: SparseMessage | None = None
+        self._payload: bytes | None = None
         self._ef_before: dict[str, Any] = {}
         self._meta: dict[str, Any] = {}
 
@@ -129,18 +135,14 @@ class ShardSync:
         """
         from hivemind.utils import get_dht_time
 
-        deltas = [s - c for s, c in zip(start, current, strict=True)]
-        self._message, self._meta = None, {"round": round_, "start_fp": start_fp}
-        if self.sparse:
-            self._ef_before = self.compressor.state_dict()
-            self._message = self.compressor.compress(deltas)  # PayloadError on NaN: caller drops the round
-            payload = sparse_codec.encode(self._message)
-            self.runtime.publish("payload", self.shard, round_, payload)
-            self._meta.update(size=len(payload), digest=digest(payload))
-        else:
-            with self.averager.get_tensors() as tensors:
-                for tensor, delta in zip(tensors, deltas, strict=True):
-                    tensor.copy_(delta)
+        self._payload = self._encode([s - c for s, c in zip(start, current, strict=True)])  # PayloadError on NaN
+        self._meta = {
+            "round": round_,
+            "start_fp": start_fp,
+            "size": len(self._payload),
+            "digest": digest(self._payload),
+        }
+        self.runtime.publish("payload", self.shard, round_, self._payload)
         self.averager.prepare_round(round_, max(2, expected))
         # a group that has not formed a while after its window will not form: give up and re-sync instead
         return self.averager.step(
@@ -150,11 +152,25 @@ class ShardSync:
             timeout=wait_s + 2 * self.timeouts.matchmaking_s,
         )
 
+    def _encode(self, deltas: list[Tensor]) -> bytes:
+        """This round's message: SparseLoCo (through error feedback) or the dense pseudo-gradient."""
+        if not self.sparse:
+            return dense_codec.encode(deltas, self.run.outer.diloco_wire)
+        ef_before = self.compressor.state_dict()
+        payload = sparse_codec.encode(self.compressor.compress(deltas))
+        self._ef_before = ef_before  # only once compress succeeded: a failed call left the buffers untouched
+        return payload
+
+    def _decode(self, payload: bytes) -> Any:
+        if self.sparse:
+            return sparse_codec.decode(payload, self.shapes, self.run.sparseloco)
+        return dense_codec.decode(payload, self.shapes, self.run.outer.diloco_wire)
+
     def drop_contribution(self) -> None:
         """The round failed: forget this round's Δ and restore the error feedback to what it was before it."""
-        if self.sparse and self._message is not None:
+        if self.sparse and self._payload is not None:
             self.compressor.load_state_dict(self._ef_before)
-            self._message = None
+        self._payload = None
 
     # ------------------------------------------------------------------------------------------------- finish
 
@@ -191,26 +207,26 @@ class ShardSync:
             )  # fmt: skip
             self.drop_contribution()
             return ShardOutcome(new_tensors=None, group_size=len(members))
-        if self.sparse:
-            return self._finish_sparse(included, start, len(members))
-        return self._finish_dense(start, len(members))
+        return self._exchange(included, start, len(members))
 
-    def _finish_sparse(self, included: list[Member], start: list[Tensor], group_size: int) -> ShardOutcome:
+    def _exchange(self, included: list[Member], start: list[Tensor], group_size: int) -> ShardOutcome:
+        """Fetch the members' messages, aggregate them in canonical order, and take the outer step."""
         round_ = self._meta["round"]
         messages, names, dropped, received = self._collect_messages(included, round_)
-        result = aggregate(messages, self.shapes, peer_ids=names)
-        dropped += [f"{names[i]}: {reason}" for i, reason in result.dropped]
+        if self.sparse:
+            result = aggregate(messages, self.shapes, peer_ids=names)
+            dropped += [f"{names[i]}: {reason}" for i, reason in result.dropped]
+            new, contributors = self._sparse_update(start, result.tensors), len(result.used)
+        else:
+            new, contributors = self._dense_update(start, mean_in_order(messages)), len(messages)
         # stay until the others have our payload: quitting early would truncate their round (hivemind-notes, D)
         self.runtime.wait_until_fetched("payload", self.shard, round_, len(included) - 1, self.timeouts.fetch_timeout_s)
         sent = self.runtime.bytes_served[("payload", self.shard, round_)]
-        return ShardOutcome(
-            self._sparse_update(start, result.tensors), group_size, len(result.used), dropped, sent, received
-        )
+        return ShardOutcome(new, group_size, contributors, dropped, sent, received)
 
-    def _collect_messages(
-        self, included: list[Member], round_: int
-    ) -> tuple[list[SparseMessage], list[str], list[str], int]:
-        """Our own message plus every other member's, fetched concurrently and verified; bad ones are dropped."""
+    def _collect_messages(self, included: list[Member], round_: int) -> tuple[list[Any], list[str], list[str], int]:
+        """Every member's decoded message (ours decoded from our own bytes, exactly as the others see it), fetched
+        concurrently and verified; bad ones are dropped."""
         me = str(self.runtime.peer_id)
         others = [m for m in included if m.name != me]
 
@@ -226,22 +242,19 @@ class ShardSync:
         except TimeoutError:
             fetched = {}
         messages, names, dropped, received = [], [], [], 0
+        fetched[me] = (self._meta["round"], self._payload)
         for name, _, meta in included:
-            if name == me:
-                messages.append(self._message)
-                names.append(name)
-                continue
             got = fetched.get(name, TimeoutError("fetch deadline passed"))
             if isinstance(got, BaseException):
                 dropped.append(f"{name}: {got!r}")
                 continue
             data = got[1]
-            received += len(data)
+            received += len(data) if name != me else 0
             if len(data) != meta.get("size") or digest(data) != meta.get("digest"):
                 dropped.append(f"{name}: payload does not match the size/digest it announced")
                 continue
             try:
-                messages.append(sparse_codec.decode(data, self.shapes, self.run.sparseloco))
+                messages.append(self._decode(data))
                 names.append(name)
             except PayloadError as e:
                 dropped.append(f"{name}: {e}")
@@ -249,26 +262,14 @@ class ShardSync:
             logger.warning("shard %d round %d: dropped contribution %s", self.shard, round_, reason)
         return messages, names, dropped, received
 
-    def _finish_dense(self, start: list[Tensor], group_size: int) -> ShardOutcome:
-        """DiLoCo: the averager already holds mean Δ; Nesterov outer SGD on top."""
-        with self.averager.get_tensors() as tensors:
-            new = self._dense_update(start, [t.clone() for t in tensors])
-        # hivemind's butterfly all-reduce is a reduce-scatter plus an all-gather: each peer sends (R−1)/R of its
-        # vector to the reducers, then its reduced part to the R−1 others, and receives as much
-        wire_bytes = 2 if self.run.outer.diloco_wire == "fp16" else 4
-        n = sum(t.numel() for t in start)
-        moved = int(2 * n * wire_bytes * (group_size - 1) / group_size)
-        return ShardOutcome(new, group_size, group_size, [], moved, moved)
-
     # ----------------------------------------------------------------------------------------- outer updates
 
     def solo(self, start: list[Tensor], current: list[Tensor]) -> ShardOutcome:
         """No one else is in this round: apply our own contribution with the same rule (a group of one)."""
-        deltas = [s - c for s, c in zip(start, current, strict=True)]
+        message = self._decode(self._encode([s - c for s, c in zip(start, current, strict=True)]))
         if not self.sparse:
-            return ShardOutcome(self._dense_update(start, deltas), 1, 1)
-        result = aggregate([self.compressor.compress(deltas)], self.shapes)
-        return ShardOutcome(self._sparse_update(start, result.tensors), 1, 1)
+            return ShardOutcome(self._dense_update(start, message), 1, 1)
+        return ShardOutcome(self._sparse_update(start, aggregate([message], self.shapes).tensors), 1, 1)
 
     def _sparse_update(self, start: list[Tensor], aggregate_: list[Tensor]) -> list[Tensor]:
         """θ(t+1) = θ(t) − α·aggregate: plain SGD, the error feedback already plays the role of momentum."""

@@ -146,9 +146,9 @@ def run_pair(workdir: Path, faulty_modes: list[str]) -> dict[int, dict[str, Any]
     with LocalSwarm(workdir) as swarm:
         peers = swarm.start_bootstrap()
         for i in range(2):
-            swarm.start(f"r{i}", join_args(peers, i, workdir, rounds=2))
+            swarm.start(f"r{i}", join_args(peers, i, workdir, rounds=3))
         for j, mode in enumerate(faulty_modes):
-            swarm.start(f"faulty{j}", [mode, *join_args(peers, 2 + j, workdir, rounds=2)], program=FAULTY_PEER)
+            swarm.start(f"faulty{j}", [mode, *join_args(peers, 2 + j, workdir, rounds=3)], program=FAULTY_PEER)
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
     return rounds_of(workdir, 0)
 
@@ -156,11 +156,13 @@ def run_pair(workdir: Path, faulty_modes: list[str]) -> dict[int, dict[str, Any]
 def test_garbage_and_nan_payloads_are_dropped_and_change_nothing(tmp_path: Path) -> None:
     attacked = run_pair(tmp_path / "attacked", ["garbage", "nan"])
     clean = run_pair(tmp_path / "clean", [])
-    first = attacked[0]
-    assert first["group_size"] == 4 and first["contributors"] == 2
-    assert len(first["dropped"]) == 2 * 2  # two faulty peers, each dropped in both shard groups
-    # the honest pair's result is bit-identical to a run in which the faulty peers never existed
-    assert first["fingerprints"] == clean[0]["fingerprints"]
+    assert max(r["group_size"] for r in attacked.values()) == 4, "the faulty peers never made it into a group"
+    for t, record in attacked.items():
+        faulty_in_group = record["group_size"] - 2
+        assert record["contributors"] == 2
+        assert len(record["dropped"]) == 2 * faulty_in_group  # each faulty member is dropped in both shard groups
+        # the honest pair's result is bit-identical to a run in which the faulty peers never existed
+        assert record["fingerprints"] == clean[t]["fingerprints"], f"round {t} was changed by the faulty peers"
 
 
 def test_corrupt_checkpoint_falls_back_to_the_swarms_state(tmp_path: Path) -> None:
@@ -189,9 +191,10 @@ def test_diloco_baseline_runs_on_the_same_machinery(tmp_path: Path) -> None:
             swarm.start(f"r{i}", join_args(peers, i, tmp_path, rounds=2, outer="diloco", diloco_wire="fp16"))
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
     r0, r1 = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
+    n_params = read_metrics(tmp_path / "r0.jsonl")[0]["n_params"]
     for t in (0, 1):
-        assert r0[t]["fingerprints"] == r1[t]["fingerprints"]
-        assert r0[t]["group_size"] == 2
-        # dense fp16 butterfly: half of the fp32 all-reduce's bytes, i.e. far more than SparseLoCo would send
-        assert abs(r0[t]["bytes_sent"] - r0[t]["dense_allreduce_bytes"] / 2) <= 2  # per-shard rounding
+        assert r0[t]["fingerprints"] == r1[t]["fingerprints"], f"DiLoCo replicas disagree after round {t}"
+        assert r0[t]["group_size"] == r0[t]["contributors"] == 2
+        # the other replica's dense fp16 message: 2 bytes per parameter plus a 10-byte header per shard
+        assert r0[t]["bytes_received"] == 2 * n_params + 2 * 10
     assert r0[1]["eval_loss"] < r0[0]["eval_loss"]
