@@ -28,12 +28,21 @@ def text_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.timeout(900)  # ≈45 s on 2 idle cores, but compute-bound: a busy machine stretches it several-fold
 def test_small_learns_on_bundled_corpus(bundled_cache_dir: Path) -> None:
-    """A few hundred CPU steps (≈1 min on 2 cores) must take the byte-level loss far below chance (ln 256)."""
-    cfg = TrainConfig(preset="small", steps=200, batch_size=4, seq_len=128, eval_every=200, eval_batches=4)
+    """150 CPU steps must take the byte-level loss far below chance (ln 256)."""
+    cfg = TrainConfig(
+        preset="small",
+        steps=150,
+        batch_size=4,
+        seq_len=128,
+        eval_every=150,
+        eval_batches=4,
+        cache_dir=bundled_cache_dir,
+    )
     summary = run_local_training(cfg, OptimConfig(lr=3e-3, warmup_steps=20))
     assert abs(summary.initial_eval_loss - math.log(256)) < 0.5  # starts from chance...
-    assert summary.final_eval_loss < 0.6 * summary.initial_eval_loss  # ...and learns (≈2.3 nats after 200 steps)
+    assert summary.final_eval_loss < 0.6 * summary.initial_eval_loss  # ...and learns (≈2.35 nats after 150 steps)
 
 
 def test_tiny_summary_reports_the_run(text_file: Path, tmp_path: Path) -> None:
