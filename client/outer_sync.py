@@ -4,9 +4,9 @@ How SparseLoCo travels (the design choice the README explains):
 
 1. Each replica compresses its pseudo-gradient Δ = θ(t) − θ_local with error feedback and serves the encoded
    message (0.219 bits/param) from memory.
-2. hivemind's matchmaking forms the shard's group for round t. The all-reduce it then runs averages a
-   16-float dummy, so it is only a barrier; what matters is the gathered metadata (round, start fingerprint, payload
-   size and digest), which every member receives identically from the group leader.
+2. hivemind's matchmaking forms the shard's group for round t and gathers each member's metadata (round, start
+   fingerprint, payload size and digest), which every member receives identically from the group leader; the
+   all-reduce hivemind would run next is skipped (`ShardAverager`).
 3. Every member fetches every other member's message over a P2P stream, checks size and digest, decodes it
    strictly, and runs the reference aggregation on the same messages in peer-id order: every member gets the
    same bits without trusting any peer's arithmetic.
@@ -48,9 +48,6 @@ from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
 
 logger = logging.getLogger(__name__)
-
-BARRIER_SIZE = 16
-"""Floats in the dummy tensor hivemind averages in sparseloco mode (it must average something)."""
 
 
 class Member(NamedTuple):
@@ -109,7 +106,7 @@ class ShardSync:
             self.momentum = [torch.zeros(s) for s in shapes]
             self.max_payload = dense_codec.message_size_bytes(shapes, run.outer.diloco_wire)
         self.averager = ShardAverager(
-            [torch.zeros(BARRIER_SIZE)],
+            [torch.zeros(1)],  # hivemind's averager must hold a tensor; ShardAverager never all-reduces it
             runtime.dht,
             prefix=shard_group_prefix(run.run_id, shard),
             start=True,

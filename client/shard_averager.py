@@ -27,6 +27,17 @@ def round_group_bits(round_: int) -> str:
 class ShardAverager(DecentralizedAverager):
     """One parameter shard's averaging group member (see module docstring)."""
 
+    async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> dict[Any, Any]:
+        """Return the gathered metadata and skip hivemind's all-reduce: payloads travel over our own verified
+        streams. The all-reduce could fail for one member and succeed for another (a partial average reported
+        as success, hivemind-notes D), which would split the group's view of who took part; the leader's
+        gathered list is the same for every member that got it."""
+        gathered = {}
+        for peer, item in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            _bandwidth, _mode, user_data = self.serializer.loads(item)
+            gathered[peer] = self.serializer.loads(user_data)
+        return gathered
+
     def prepare_round(self, round_: int, expected_group_size: int) -> None:
         """Match only with peers in the same round; stop waiting once `expected_group_size` peers are in."""
         future = MPFuture()
