@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.errors import ConfigError, require_positive
 from hetero_node.protocol.run_config import OptimConfig
 
 __all__ = ["NodeConfig", "OptimConfig", "RunOptions", "SyncTimeouts", "TrainConfig"]
@@ -42,8 +42,7 @@ class TrainConfig:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (CUDA when available)."})
 
     def __post_init__(self) -> None:
-        if min(self.steps, self.batch_size, self.seq_len, self.eval_every, self.eval_batches) < 1:
-            raise ConfigError(f"steps, batch size, sequence length and eval settings must be positive: {self}")
+        require_positive(self, "steps", "batch_size", "seq_len", "eval_every", "eval_batches")
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,9 @@ class RunOptions:
     )
 
     def __post_init__(self) -> None:
-        if min(self.batch_size, self.seq_len, self.data_shards) < 1 or self.seed < 0:
-            raise ConfigError(f"batch size, sequence length and data shards must be positive: {self}")
+        require_positive(self, "batch_size", "seq_len", "data_shards")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must not be negative, got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,13 @@ class NodeConfig:
     progress_ttl_s: float = field(default=20.0, metadata={"help": "Our progress record expires after this."})
     linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
 
+    def __post_init__(self) -> None:
+        require_positive(self, "eval_every", "eval_batches", "progress_ttl_s")
+        if not 0 <= self.port < 65536 or self.linger_s < 0:
+            raise ConfigError(
+                f"--port must be in 0..65535 and --linger-s not negative, got {self.port}, {self.linger_s}"
+            )
+
 
 @dataclass(frozen=True)
 class SyncTimeouts:
@@ -98,3 +105,8 @@ class SyncTimeouts:
     )
     round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
     fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "matchmaking_s", "round_timeout_s", "fetch_timeout_s")
+        if not 0 <= self.straggler_fraction <= 1:
+            raise ConfigError(f"--straggler-fraction must be in [0, 1], got {self.straggler_fraction}")

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from hetero_node.client.local_swarm import LocalSwarm
 from hetero_node.client.metrics import read_metrics
-from hetero_node.protocol.errors import ConfigError, HeteroNodeError
+from hetero_node.protocol.errors import HeteroNodeError, require_positive
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,7 @@ class DemoConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.full < 1 or self.rounds < 1:
-            raise ConfigError("--full and --rounds must be at least 1")
+        require_positive(self, "full", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr")
 
 
 def replica_args(cfg: DemoConfig, peers: str, index: int, workdir: Path) -> list[str]:

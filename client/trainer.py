@@ -14,13 +14,20 @@ from torch import nn
 
 from hetero_node.client.config import OptimConfig
 from hetero_node.models.transformer import autocast_context
+from hetero_node.protocol.errors import ConfigError
 
 
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present: a volunteer should not have to know which flag to pass."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device (cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: no CUDA device is available on this machine (try --device auto)")
+    return device
 
 
 def cosine_lr(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -13,6 +13,14 @@ class ConfigError(HeteroNodeError):
     """A run or node configuration is invalid, or does not match the swarm's."""
 
 
+def require_positive(config: object, *fields: str) -> None:
+    """Raise one ConfigError naming every listed field (as its CLI option) that is not positive."""
+    bad = [f"--{name.replace('_', '-')} must be positive, got {getattr(config, name)}" for name in fields
+           if not getattr(config, name) > 0]  # fmt: skip
+    if bad:
+        raise ConfigError("; ".join(bad))
+
+
 class DataError(HeteroNodeError):
     """A corpus, token cache or tokenizer file is missing, corrupt or unreadable (the message names the file)."""
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.errors import ConfigError, require_positive
 
 PROTOCOL_VERSION = 1
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
@@ -63,10 +63,13 @@ class OptimConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this value (0: off)."})
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError(f"invalid optimizer settings: {self}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError(f"invalid optimizer settings: {self}")
+        require_positive(self, "lr")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"--beta1 and --beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if min(self.warmup_steps, self.weight_decay, self.grad_clip) < 0:
+            raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must not be negative")
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,7 @@ class OuterConfig:
             raise ConfigError(f"--outer must be one of {', '.join(OUTER_METHODS)}, got {self.outer!r}")
         if self.diloco_wire not in DILOCO_WIRE_DTYPES:
             raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
-        if min(self.inner_steps, self.rounds, self.stages) < 1 or self.outer_lr <= 0 or self.diloco_lr <= 0:
-            raise ConfigError(f"inner steps, rounds, stages and outer learning rates must be positive: {self}")
+        require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr")
         if not 0 <= self.diloco_momentum < 1:
             raise ConfigError(f"--diloco-momentum must be in [0, 1), got {self.diloco_momentum}")
 

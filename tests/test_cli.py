@@ -75,11 +75,11 @@ def test_module_runs_as_script_without_importing_hivemind() -> None:
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["--steps", "0"], ["steps=0", "must be positive"]),
-        (["--steps", "-1"], ["steps=-1"]),
-        (["--batch-size", "0"], ["batch_size=0"]),
+        (["--steps", "0"], ["--steps must be positive, got 0"]),
+        (["--steps", "-1"], ["--steps must be positive, got -1"]),
+        (["--batch-size", "0"], ["--batch-size must be positive, got 0"]),
         (["--preset", "nope"], ["'nope'", "tiny, small"]),
-        (["--lr", "-1"], ["lr=-1"]),
+        (["--lr", "-1"], ["--lr must be positive, got -1"]),
     ],
 )
 def test_bad_option_values_give_one_line_errors(
