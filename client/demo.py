@@ -106,8 +106,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         else 0
     )
     return {
-        "first_eval_loss": evals[0][1] if evals else None,
-        "last_eval_loss": evals[-1][1] if evals else None,
+        "eval_loss_first_round": evals[0][1] if evals else None,
+        "eval_loss_last_round": evals[-1][1] if evals else None,
         "bytes_sent_per_round_per_peer": sent,
         "dense_fp32_allreduce_bytes_per_round_per_peer": dense,
         "compression_vs_dense": dense / sent if sent else None,
