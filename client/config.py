@@ -86,9 +86,12 @@ class NodeConfig:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
     progress_ttl_s: float = field(default=20.0, metadata={"help": "Our progress record expires after this."})
     linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
+    min_peers: int = field(
+        default=1, metadata={"help": "Before the first round, wait (up to 5 min) until this many replicas are online."}
+    )
 
     def __post_init__(self) -> None:
-        require_positive(self, "eval_every", "eval_batches", "progress_ttl_s")
+        require_positive(self, "eval_every", "eval_batches", "progress_ttl_s", "min_peers")
         if not 0 <= self.port < 65536 or self.linger_s < 0:
             raise ConfigError(
                 f"--port must be in 0..65535 and --linger-s not negative, got {self.port}, {self.linger_s}"

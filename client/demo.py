@@ -55,7 +55,7 @@ def replica_args(cfg: DemoConfig, peers: str, index: int, workdir: Path) -> list
         "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
         "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
         "--metrics", str(workdir / f"replica{index}.jsonl"),
-        "--checkpoint-dir", str(workdir / f"replica{index}.ckpt"), "--quiet",
+        "--checkpoint-dir", str(workdir / f"replica{index}.ckpt"), "--min-peers", str(cfg.full), "--quiet",
     ]  # fmt: skip
 
 

@@ -107,6 +107,7 @@ class FullReplica:
                  "replica_id": replica_id, "n_params": self.n_params, "run": self.run_cfg.to_dict()},
             )  # fmt: skip
             self._restore()
+            self._wait_for_peers()
             while self.round < self.run_cfg.outer.rounds and not self.stop.is_set():
                 self._catch_up()
                 if self.round >= self.run_cfg.outer.rounds:
@@ -150,6 +151,21 @@ class FullReplica:
                 outer_state = fingerprint([t for sync in self.syncs for t in sync.outer_state_tensors()])
                 logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
         self._catch_up()
+
+    def _wait_for_peers(self, timeout_s: float = 300.0) -> None:
+        """Start together: replicas that begin a run seconds apart would miss each other's first rounds."""
+        self._announce(self.shard_fingerprints())
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set():
+            online = len(self.runtime.read_progress() or {})
+            if online >= self.node.min_peers:
+                return
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "only %d of --min-peers %d replicas online; starting anyway", online, self.node.min_peers
+                )
+                return
+            time.sleep(0.5)
 
     def _catch_up(self) -> None:
         """If the swarm is ahead of us (we joined late, restarted, or fell behind), load its newest state."""
