@@ -106,10 +106,6 @@ class PeerRuntime:
         """Run a coroutine on the background loop from the calling (training) thread."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    @property
-    def visible_maddrs(self) -> list[str]:
-        return [str(a) for a in self.dht.get_visible_maddrs()]
-
     # ------------------------------------------------------------------------------------------------ blobs
 
     def publish(self, kind: str, shard: int, round_: int, data: bytes) -> None:
