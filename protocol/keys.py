@@ -1,22 +1,37 @@
 """Names peers must agree on to find each other: DHT keys, averaging prefixes and RPC handler names.
 
-All are namespaced by the run id (see `run_config.RunConfig.run_id`), so peers of different runs share a DHT
-without ever matching into the same averaging group or reading each other's records.
+Everything a run's peers write is namespaced by the run id (see `run_config.RunConfig.run_id`), so peers of
+different runs share a DHT without ever matching into the same averaging group or reading each other's
+records. Only the run announcements live under a fixed key: a joiner reads them before it knows the run id.
+Keys read through hivemind's `SchemaValidator` are spelled `<prefix>_<field>`, as it derives them.
 """
 
 from __future__ import annotations
 
 KEY_PREFIX = "hetero-node"
+RUNS_FIELD = "runs"
+PEERS_FIELD = "peers"
+RUN_KEY_HANDLER = f"{KEY_PREFIX}.run-key"
+"""Unary RPC a bootstrap answers with the public key that signs its run announcement."""
 
 
-def progress_key(run_id: str) -> str:
-    """DHT key under which every peer stores its progress record (subkey: its peer id)."""
-    return f"{KEY_PREFIX}.{run_id}.progress"
+def runs_key() -> str:
+    """DHT key every bootstrap announces its run under (subkey: its public key)."""
+    return f"{KEY_PREFIX}_{RUNS_FIELD}"
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{KEY_PREFIX}_{run_id}"
+
+
+def peers_key(run_id: str) -> str:
+    """DHT key of a run's peer records (subkey: each peer's public key)."""
+    return f"{run_prefix(run_id)}_{PEERS_FIELD}"
 
 
 def shard_group_prefix(run_id: str, shard: int) -> str:
     """hivemind averager prefix of one parameter shard's averaging group."""
-    return f"{KEY_PREFIX}_{run_id}_shard{shard}"
+    return f"{run_prefix(run_id)}_shard{shard}"
 
 
 def blob_handler_name(run_id: str) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,8 +120,33 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Rebuild a config a peer sent (a bootstrap's announcement); anything malformed is a ConfigError."""
+        nested = {"outer": OuterConfig, "optim": OptimConfig, "sparseloco": SparseLoCoConfig}
+        try:
+            fields = {k: (nested[k](**v) if k in nested else v) for k, v in data.items()}
+            run = cls(**fields)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"malformed run config: {e}") from None
+        _check_field_types(run)
+        return run
+
     @property
     def run_id(self) -> str:
         """Short stable hash of the whole config: the namespace of every DHT key and averaging group of the run."""
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canonical.encode(), digest_size=8).hexdigest()
+
+
+def _check_field_types(config: Any, path: str = "") -> None:
+    """A peer's config must carry exactly the types this version declares (a string seed would hash differently)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, hint = getattr(config, f.name), hints[f.name]
+        if dataclasses.is_dataclass(value):
+            _check_field_types(value, f"{path}{f.name}.")
+        elif hint in (int, str) and (type(value) is not hint):
+            raise ConfigError(f"malformed run config: {path}{f.name} should be {hint.__name__}, got {value!r}")
+        elif hint is float and (type(value) not in (int, float)):
+            raise ConfigError(f"malformed run config: {path}{f.name} should be a number, got {value!r}")

@@ -1,0 +1,49 @@
+"""How much memory training a model (or one pipeline stage of it) needs: what the planner compares against a node.
+
+Per parameter, a replica keeps fp32 weights, gradients, AdamW's two moments, the SparseLoCo error-feedback
+buffer and the round's start copy: 6 × 4 = 24 bytes. Activations kept for backward are estimated per layer
+from the batch (attention via SDPA keeps no seq² matrix); the head adds logits and their gradient. A headroom
+factor covers the allocator, temporaries and the framework itself: an estimate, deliberately pessimistic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetero_node.models.config import ModelConfig
+from hetero_node.models.stages import stage_layer_ranges
+from hetero_node.models.transformer import Transformer
+
+TRAINING_BYTES_PER_PARAM = 24
+ACTIVATION_FLOATS_PER_LAYER = 16
+"""Saved activations per token per layer, in units of d_model floats (norms, q/k/v, attention out, MLP)."""
+HEADROOM = 1.25
+
+
+def parameter_count(cfg: ModelConfig, layers: range, with_embed: bool, with_head: bool) -> int:
+    """Exact count, from the module built on the meta device (no memory is allocated)."""
+    with torch.device("meta"):
+        module = Transformer(cfg, layers=layers, with_embed=with_embed, with_head=with_head)
+    return sum(p.numel() for p in module.parameters())
+
+
+def training_memory_bytes(
+    cfg: ModelConfig, batch_size: int, seq_len: int, layers: range, with_embed: bool, with_head: bool
+) -> int:
+    """Memory to train these layers with this batch, headroom included."""
+    params = parameter_count(cfg, layers, with_embed, with_head)
+    tokens = batch_size * seq_len
+    activations = tokens * cfg.d_model * ACTIVATION_FLOATS_PER_LAYER * len(layers) * 4
+    if with_head:
+        activations += 2 * tokens * cfg.vocab_size * 4
+    return int(HEADROOM * (params * TRAINING_BYTES_PER_PARAM + activations))
+
+
+def full_and_stage_memory(cfg: ModelConfig, batch_size: int, seq_len: int, stages: int) -> tuple[int, list[int]]:
+    """(bytes to train the whole model, bytes to train each pipeline stage)."""
+    full = training_memory_bytes(cfg, batch_size, seq_len, range(cfg.n_layers), True, True)
+    per_stage = [
+        training_memory_bytes(cfg, batch_size, seq_len, layers, s == 0, s == stages - 1)
+        for s, layers in enumerate(stage_layer_ranges(cfg.n_layers, stages))
+    ]
+    return full, per_stage

@@ -1,0 +1,124 @@
+"""The DHT records peers publish about themselves and about the run, and the validators that guard them.
+
+Two record families, both stored as DHT dictionaries whose subkey is the writer's RSA public key
+(`[owner:...]`), so hivemind's `RSASignatureValidator` lets only that key write them:
+
+* `hetero-node_runs` — one `RunAnnouncement` per bootstrap: the run definition joiners need.
+* `hetero-node_<run_id>_peers` — one `PeerRecord` per node: what it measured and what it does.
+
+`SchemaValidator` (hivemind's, pydantic v1 API) rejects any value that does not parse *without type
+conversion* into these models, so every number field is strict and bounded: negative bandwidth, 10^6 GPUs or a
+NaN loss never reach the planner. Validation happens on every node that stores or reads a record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from pydantic.v1 import confloat, conint, conlist, constr
+
+from hetero_node.protocol.keys import KEY_PREFIX, run_prefix
+
+ROLES = ("joining", "full", "stage")
+REQUESTED_ROLES = ("auto", "full", "stage")
+PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"
+"""A base58 libp2p peer id."""
+
+MAX_GPUS = 64
+MAX_MEMORY_GB = 100_000.0
+MAX_MBPS = 1_000_000.0
+MAX_SHARDS = 1024
+
+
+class GpuInfo(pydantic.BaseModel):
+    name: constr(strict=True, max_length=128)  # type: ignore[valid-type]
+    memory_gb: confloat(strict=True, ge=0, le=4096)  # type: ignore[valid-type]
+
+
+class PeerRecord(pydantic.BaseModel):
+    """What one node tells the swarm, refreshed by its heartbeat; every field is required."""
+
+    peer_id: constr(strict=True, regex=PEER_ID_PATTERN)  # type: ignore[valid-type]
+    addrs: conlist(constr(strict=True, max_length=256), max_items=16)  # type: ignore[valid-type]
+    version: constr(strict=True, max_length=32)  # type: ignore[valid-type]
+    gpus: conlist(GpuInfo, max_items=MAX_GPUS)  # type: ignore[valid-type]
+    cpu_cores: conint(strict=True, ge=1, le=4096)  # type: ignore[valid-type]
+    ram_gb: confloat(strict=True, ge=0, le=MAX_MEMORY_GB)  # type: ignore[valid-type]
+    memory_gb: confloat(strict=True, ge=0, le=MAX_MEMORY_GB)  # type: ignore[valid-type]
+    upload_mbps: confloat(strict=True, ge=0, le=MAX_MBPS)  # type: ignore[valid-type]
+    download_mbps: confloat(strict=True, ge=0, le=MAX_MBPS)  # type: ignore[valid-type]
+    bandwidth_source: constr(strict=True, regex=r"^(measured|override|unknown)$")  # type: ignore[valid-type]
+    tokens_per_s: confloat(strict=True, ge=0, le=1e9)  # type: ignore[valid-type]
+    role: constr(strict=True, regex=r"^(joining|full|stage)$")  # type: ignore[valid-type]
+    requested_role: constr(strict=True, regex=r"^(auto|full|stage)$")  # type: ignore[valid-type]
+    pinned_stage: conint(strict=True, ge=-1, lt=MAX_SHARDS)  # type: ignore[valid-type]
+    stage: conint(strict=True, ge=-1, lt=MAX_SHARDS)  # type: ignore[valid-type]
+    vr: conint(strict=True, ge=-1, le=1_000_000)  # type: ignore[valid-type]
+    round: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
+    loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
+    fingerprints: dict[constr(strict=True, regex=r"^\d{1,4}$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
+    view: constr(strict=True, max_length=32)  # type: ignore[valid-type]
+    refresh_s: confloat(strict=True, gt=0, le=3600)  # type: ignore[valid-type]
+
+    @pydantic.validator("fingerprints")
+    def _few_shards(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_SHARDS:
+            raise ValueError(f"more than {MAX_SHARDS} shard fingerprints")
+        return value
+
+
+class RunAnnouncement(pydantic.BaseModel):
+    """A bootstrap's run definition; joiners rebuild `RunConfig` from `config` and check it hashes to `run_id`."""
+
+    peer_id: constr(strict=True, regex=PEER_ID_PATTERN)  # type: ignore[valid-type]
+    run_id: constr(strict=True, regex=r"^[0-9a-f]{16}$")  # type: ignore[valid-type]
+    software_version: constr(strict=True, max_length=32)  # type: ignore[valid-type]
+    protocol_version: conint(strict=True, ge=0)  # type: ignore[valid-type]
+    data_source: constr(strict=True, max_length=256)  # type: ignore[valid-type]
+    config: dict[constr(strict=True, max_length=64), Any]  # type: ignore[valid-type]
+
+
+class _PeersKey(pydantic.BaseModel):
+    """Field name = keys.PEERS_FIELD: SchemaValidator derives the DHT key from it."""
+
+    peers: dict[BytesWithPublicKey, PeerRecord]  # type: ignore[valid-type]
+
+
+class _RunsKey(pydantic.BaseModel):
+    """Field name = keys.RUNS_FIELD."""
+
+    runs: dict[BytesWithPublicKey, RunAnnouncement]  # type: ignore[valid-type]
+
+
+def base_validators(signer: RSASignatureValidator) -> list[Any]:
+    """Validators every hetero-node DHT starts with: signatures, and the run announcements' schema."""
+    return [signer, SchemaValidator(_RunsKey, prefix=KEY_PREFIX)]
+
+
+def run_validators(run_id: str) -> list[Any]:
+    """Added once the run is known: the schema of that run's peer records."""
+    return [SchemaValidator(_PeersKey, prefix=run_prefix(run_id))]
+
+
+def parse_peer_record(value: Any) -> PeerRecord | None:
+    """A record read from the DHT, re-checked here (a stock node on the path may not validate); None if invalid."""
+    try:
+        record = PeerRecord.parse_obj(value)
+    except pydantic.ValidationError:
+        return None
+    return record if record.dict() == value else None
+
+
+__all__ = [
+    "REQUESTED_ROLES",
+    "ROLES",
+    "GpuInfo",
+    "PeerRecord",
+    "RunAnnouncement",
+    "base_validators",
+    "parse_peer_record",
+    "run_validators",
+]
