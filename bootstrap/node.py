@@ -1,7 +1,10 @@
 """A bootstrap node: a DHT peer with a stable identity and port that everyone else joins through.
 
-It trains nothing. Its only jobs are to be reachable at the same multiaddr across restarts (identity file +
-fixed port), to keep its routing table fresh, and to print the exact line volunteers paste.
+It trains nothing. Its jobs: be reachable at the same multiaddr across restarts (identity file + fixed port);
+publish the run definition, signed with its RSA key, so a joiner needs nothing but the join line; tell a
+joiner which key that is (over the authenticated libp2p connection); answer bandwidth probes; keep its routing
+table and its announcement fresh. It validates the run's peer records like every peer, so a forged or
+malformed record is not even stored here.
 """
 
 from __future__ import annotations
@@ -9,55 +12,57 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import threading
-from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
+from importlib.metadata import version
+from typing import Any
 
-from hetero_node.protocol.errors import ConfigError, PeerAddressError
+from hetero_node.bootstrap.config import BootstrapConfig
+from hetero_node.protocol.errors import PeerAddressError
+from hetero_node.protocol.keys import RUN_KEY_HANDLER, runs_key
+from hetero_node.protocol.probe import register_probe_handlers
+from hetero_node.protocol.proto_build import load_proto_module
+from hetero_node.protocol.records import RunAnnouncement, base_validators, run_validators
+from hetero_node.protocol.run_config import RunConfig
+from hetero_node.protocol.signing import load_or_create_signing_key, signing_key_path
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BootstrapConfig:
-    """Where the bootstrap listens and who it is."""
-
-    host: str = field(default="0.0.0.0", metadata={"help": "Interface to listen on."})
-    port: int = field(default=31337, metadata={"help": "Fixed TCP port, so the multiaddr survives restarts."})
-    identity: Path = field(
-        default=Path("bootstrap.id"), metadata={"help": "Private key file (created if missing): fixes the peer id."}
-    )
-    announce: str | None = field(
-        default=None, metadata={"help": "Public IP or hostname to advertise (behind NAT or in Docker)."}
-    )
-    heartbeat_s: float = field(default=30.0, metadata={"help": "How often to refresh the routing table."})
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+wire = load_proto_module("wire")
 
 
 class BootstrapNode:
     """Runs the DHT until `stop` is set; see the module docstring."""
 
-    def __init__(self, cfg: BootstrapConfig) -> None:
+    def __init__(self, cfg: BootstrapConfig, run: RunConfig, data_source: str) -> None:
         import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
 
-        self.cfg = cfg
+        self.cfg, self.run_config = cfg, run
         announce = None
         if cfg.announce:
             proto = "ip6" if ":" in cfg.announce else ("ip4" if cfg.announce.replace(".", "").isdigit() else "dns4")
             announce = [f"/{proto}/{cfg.announce}/tcp/{cfg.port}"]
         cfg.identity.parent.mkdir(parents=True, exist_ok=True)
+        self.signer = RSASignatureValidator(load_or_create_signing_key(signing_key_path(cfg.identity)))
         multiprocessing.set_start_method("fork", force=True)  # hivemind's DHT process only works when forked
         try:
             self.dht = hivemind.DHT(
                 host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
                 announce_maddrs=announce,
                 identity_path=str(cfg.identity),
+                record_validators=[*base_validators(self.signer), *run_validators(run.run_id)],
                 start=True,
             )
         except Exception as e:  # port in use, unreadable identity, ...: say so in one line
             raise PeerAddressError(f"could not start the bootstrap DHT on {cfg.host}:{cfg.port}: {e}") from None
+        self.announcement = RunAnnouncement(
+            peer_id=str(self.dht.peer_id),
+            run_id=run.run_id,
+            software_version=version("hetero-node"),
+            protocol_version=run.protocol_version,
+            data_source=data_source,
+            config=run.to_dict(),
+        ).dict()
+        self.dht.run_coroutine(partial(_serve_requests, public_key=self.signer.local_public_key, run_id=run.run_id))
         self.stop = threading.Event()
 
     @property
@@ -67,17 +72,42 @@ class BootstrapNode:
         public = [a for a in maddrs if "/127.0.0.1/" not in a]
         return public or maddrs
 
+    def publish_run(self) -> bool:
+        """(Re-)store the signed run announcement; it outlives a few missed heartbeats."""
+        from hivemind.utils import get_dht_time
+
+        return self.dht.store(
+            runs_key(),
+            subkey=self.signer.local_public_key,
+            value=self.announcement,
+            expiration_time=get_dht_time() + 4 * self.cfg.heartbeat_s,
+        )
+
     def serve_forever(self) -> None:
-        """Refresh the routing table periodically until stopped; always shuts the DHT (and its p2pd) down."""
+        """Publish and refresh until stopped; always shuts the DHT (and its p2pd) down."""
         try:
+            if not self.publish_run():
+                logger.warning("storing the run announcement failed; retrying at the next heartbeat")
             while not self.stop.wait(self.cfg.heartbeat_s):
-                self.dht.run_coroutine(_refresh_routing_table)
-                logger.info("bootstrap alive as %s", self.dht.peer_id)
+                self.publish_run()
+                peers = self.dht.run_coroutine(_refresh_routing_table)
+                logger.info("bootstrap %s alive, %d peers in the routing table", self.dht.peer_id, peers)
         finally:
             self.dht.shutdown()
 
 
-async def _refresh_routing_table(_dht: object, node: object) -> int:
+async def _serve_requests(_dht: Any, node: Any, public_key: bytes, run_id: str) -> None:
+    """Runs inside the DHT process (via a picklable partial): answer run-key requests and bandwidth probes on
+    the DHT's own P2P instance, so both share the bootstrap's peer id."""
+
+    async def answer_run_key(_request: Any, _context: Any) -> Any:
+        return wire.RunKeyReply(public_key=public_key, run_id=run_id)
+
+    await node.p2p.add_protobuf_handler(RUN_KEY_HANDLER, answer_run_key, wire.RunKeyRequest)
+    await register_probe_handlers(node.p2p)
+
+
+async def _refresh_routing_table(_dht: object, node: Any) -> int:
     """A lookup of our own id touches the closest buckets, keeping the table fresh (as hivemind-dht does)."""
     await node.find_nearest_nodes([node.node_id])
     return len(node.protocol.routing_table.uid_to_peer_id)

@@ -16,18 +16,17 @@ import sys
 from enum import Enum
 from importlib.metadata import version
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from hetero_node.bootstrap.node import BootstrapConfig
+from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
 from hetero_node.client.demo import DemoConfig
 from hetero_node.client.metrics import RoundRecord
-from hetero_node.client.options import expand_dataclass_options
+from hetero_node.client.options import expand_dataclass_options, explicit_options
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 from hetero_node.protocol.run_config import OuterConfig, SparseLoCoConfig
@@ -139,27 +138,53 @@ def main() -> None:
         sys.exit(1)
 
 
-def _not_available(what: str) -> NoReturn:
-    err_console.print(f"[bold red]not available yet:[/] {escape(what)}", soft_wrap=True, highlight=False)
-    raise typer.Exit(2)
-
-
 class Role(str, Enum):
-    FULL = "full"
     AUTO = "auto"
+    FULL = "full"
     STAGE = "stage"
+
+
+def _run_configs(
+    run_options: RunOptions, outer: OuterConfig, optim: OptimConfig, sparseloco: SparseLoCoConfig, config: Path | None
+) -> tuple[dict[str, object], set[str]]:
+    """The run definition from defaults, `--config run.toml` and explicit options (which win), and which
+    options were explicit."""
+    from hetero_node.client.run_definition import apply_run_file, load_run_file
+
+    explicit = explicit_options()
+    configs: dict[str, object] = {"run": run_options, "outer": outer, "optim": optim, "sparseloco": sparseloco}
+    if config is not None:
+        configs = apply_run_file(configs, load_run_file(config), explicit)
+    return configs, explicit
+
+
+RUN_FILE_OPTION = typer.Option(
+    None, "--config", help="A run.toml with [run], [outer], [optim], [sparseloco] tables (options override it)."
+)
 
 
 @app.command()
 @expand_dataclass_options
-def bootstrap(cfg: BootstrapConfig) -> None:
-    """Run a bootstrap node: a DHT peer with a stable identity and port that volunteers join through."""
+def bootstrap(
+    cfg: BootstrapConfig,
+    run_options: RunOptions,
+    outer: OuterConfig,
+    optim: OptimConfig,
+    sparseloco: SparseLoCoConfig,
+    config: Path | None = RUN_FILE_OPTION,
+) -> None:
+    """Run a bootstrap node: a stable entry point that announces the run (signed) to everyone who joins."""
     from hetero_node.bootstrap.node import BootstrapNode
+    from hetero_node.client.run_definition import data_source_name
+    from hetero_node.client.run_setup import prepare_run
 
-    node = BootstrapNode(cfg)
+    configs, _ = _run_configs(run_options, outer, optim, sparseloco, config)
+    run, _store = prepare_run(configs["run"], configs["outer"], configs["optim"], configs["sparseloco"])
+    node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
     console.print(f"bootstrap peer id: {node.dht.peer_id}", markup=False, highlight=False)
+    console.print(f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}", markup=False)
     console.print("volunteers join with:", markup=False)
     console.print(f"  hetero-node join --peers {node.join_addresses[0]}", markup=False, highlight=False, soft_wrap=True)
     node.serve_forever()
@@ -174,41 +199,52 @@ def join(
     sparseloco: SparseLoCoConfig,
     node: NodeConfig,
     timeouts: SyncTimeouts,
-    role: Role = typer.Option(Role.AUTO, "--role", help="full (hold the whole model); auto picks full for now."),
+    config: Path | None = RUN_FILE_OPTION,
+    role: Role = typer.Option(
+        Role.AUTO, "--role", help="auto (the planner decides), full (whole model) or stage (one pipeline stage)."
+    ),
+    stage: int = typer.Option(-1, "--stage", help="With --role stage: serve only this stage (-1: any)."),
     quiet: bool = typer.Option(False, "--quiet", help="No live status line (for logs and scripts)."),
 ) -> None:
-    """Join a swarm and train: load the run's data, catch up with the swarm, take part in every round."""
-    from hetero_node.client.full_replica import FullReplica
-    from hetero_node.client.run_setup import prepare_run
+    """Join a swarm: learn its run from the bootstrap, measure this node, take the role that helps most, train."""
+    from hetero_node.client.join import run_node
     from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
 
-    if role is Role.STAGE:
-        _not_available("--role stage (pipeline stages) arrives with the virtual-replica work")
     if not node.peers:
         raise ConfigError("--peers is required: the multiaddr printed by `hetero-node bootstrap`")
+    if stage < -1 or (stage >= 0 and role is Role.FULL):
+        raise ConfigError(f"--stage {stage}: give a stage index ≥ 0 together with --role stage or auto")
     peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
-    node = dataclasses.replace(node, peers=peers)  # checked before the data loads: a typo fails in a second
-    run, store = prepare_run(run_options, outer, optim, sparseloco)
-    replica = FullReplica(run, node, store, timeouts)
+    node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
+    configs, explicit = _run_configs(run_options, outer, optim, sparseloco, config)
     if quiet:
-        replica.run()
+        run_node(configs, explicit, node, timeouts, role.value, stage, on_status=lambda _: None)
         return
-    with err_console.status(f"run {run.run_id}: joining the swarm") as status_line:
+    with err_console.status("joining the swarm") as status_line:
 
         def show(record: RoundRecord) -> None:
             rate = record.tokens / max(record.compute_s + record.comm_s, 1e-9)
             status_line.update(
-                f"round {record.round + 1}/{run.outer.rounds}  loss {record.train_loss:.3f}  "
+                f"round {record.round + 1}  loss {record.train_loss:.3f}  "
                 f"{rate:,.0f} tokens/s  {record.bytes_sent:,} bytes/round  group {record.group_size}"
             )
 
-        replica.run(on_round=show)
+        run_node(configs, explicit, node, timeouts, role.value, stage, on_status=status_line.update, on_round=show)
 
 
 @app.command()
-def status() -> None:
-    """Show the swarm's peers, roles and progress (coming with the membership work)."""
-    _not_available("`hetero-node status` arrives with the membership work")
+def status(
+    peers: list[str] = typer.Option(..., "--peers", help="Multiaddr of the bootstrap (or any peer of the swarm)."),
+    run_id: str | None = typer.Option(
+        None, "--run-id", help="Which run to show when the bootstrap announces none (a plain hivemind-dht)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the swarm as JSON (for scripts) and exit."),
+    watch: float = typer.Option(0.0, "--watch", help="Refresh every N seconds until Ctrl-C (0: show once)."),
+) -> None:
+    """Show the swarm: peers, roles, virtual replicas and their missing stages, rounds and losses."""
+    from hetero_node.client.status import show_status
+
+    show_status(peers, run_id, as_json, watch, console)
 
 
 @app.command()

@@ -84,14 +84,32 @@ class NodeConfig:
     eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
-    progress_ttl_s: float = field(default=20.0, metadata={"help": "Our progress record expires after this."})
+    record_refresh_s: float = field(
+        default=5.0, metadata={"help": "Re-publish our peer record this often; it expires after 3x this."}
+    )
+    settle_s: float = field(
+        default=3.0, metadata={"help": "When joining, wait this long for other records before deciding a role."}
+    )
+    memory_gb: float | None = field(
+        default=None, metadata={"help": "Memory this node may use for training (default: the device's)."}
+    )
+    bandwidth_mbps: float | None = field(
+        default=None, metadata={"help": "Skip the bandwidth probe and advertise this rate (Mbit/s, both ways)."}
+    )
+    remeasure_bandwidth: bool = field(
+        default=False, metadata={"help": "Measure bandwidth again instead of using this host's cached figure."}
+    )
     linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
     min_peers: int = field(
         default=1, metadata={"help": "Before the first round, wait (up to 5 min) until this many replicas are online."}
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "eval_every", "eval_batches", "progress_ttl_s", "min_peers")
+        require_positive(self, "eval_every", "eval_batches", "record_refresh_s", "settle_s", "min_peers")
+        for name in ("memory_gb", "bandwidth_mbps"):
+            value = getattr(self, name)
+            if value is not None and not (0 < value < 1e6):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
         if not 0 <= self.port < 65536 or self.linger_s < 0:
             raise ConfigError(
                 f"--port must be in 0..65535 and --linger-s not negative, got {self.port}, {self.linger_s}"

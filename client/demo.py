@@ -46,14 +46,20 @@ class DemoConfig:
         require_positive(self, "full", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr")
 
 
-def replica_args(cfg: DemoConfig, peers: str, index: int, workdir: Path) -> list[str]:
-    """The `hetero-node join` command line of replica `index` (shared with the tests)."""
+def run_args(cfg: DemoConfig) -> list[str]:
+    """The run definition the demo's bootstrap announces (replicas learn it from there)."""
     return [
-        "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
         "--preset", cfg.preset, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
         "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--stages", str(cfg.stages),
         "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
         "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
+    ]  # fmt: skip
+
+
+def replica_args(cfg: DemoConfig, peers: str, index: int, workdir: Path) -> list[str]:
+    """The `hetero-node join` command line of replica `index`: only node options, as a volunteer would type."""
+    return [
+        "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
         "--metrics", str(workdir / f"replica{index}.jsonl"),
         "--checkpoint-dir", str(workdir / f"replica{index}.ckpt"), "--min-peers", str(cfg.full), "--quiet",
     ]  # fmt: skip
@@ -148,7 +154,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     console.print(f"[bold]work directory:[/] {workdir}  (logs, metrics, checkpoints)")
     started = time.monotonic()
     with LocalSwarm(workdir) as swarm, Live(console=console, refresh_per_second=2) as live:
-        peers = swarm.start_bootstrap()
+        peers = swarm.start_bootstrap(run_args(cfg))
         for i in range(cfg.full):
             swarm.start(f"replica{i}", replica_args(cfg, peers, i, workdir))
         running = [f"replica{i}" for i in range(cfg.full)]

@@ -8,8 +8,8 @@ from the group's) keeps its error feedback, loads θ(t+1) from a peer that has i
 from __future__ import annotations
 
 import logging
+import math
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,8 +18,10 @@ import torch
 
 from hetero_node.client.checkpoint import from_bytes, load_checkpoint, save_checkpoint, to_bytes
 from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.membership import Membership
 from hetero_node.client.metrics import MetricsWriter, RoundRecord
 from hetero_node.client.outer_sync import ShardOutcome, ShardSync
+from hetero_node.client.planner import ROLE_FULL
 from hetero_node.client.swarm_runtime import PeerRuntime
 from hetero_node.client.trainer import InnerTrainer, resolve_device
 from hetero_node.models.config import get_preset
@@ -35,8 +37,17 @@ logger = logging.getLogger(__name__)
 class FullReplica:
     """See the module docstring. `run()` blocks until the run's last round or a stop signal."""
 
-    def __init__(self, run: RunConfig, node: NodeConfig, store: TokenStore, timeouts: SyncTimeouts) -> None:
+    def __init__(
+        self,
+        run: RunConfig,
+        node: NodeConfig,
+        store: TokenStore,
+        timeouts: SyncTimeouts,
+        runtime: PeerRuntime,
+        membership: Membership,
+    ) -> None:
         self.run_cfg, self.node, self.store, self.timeouts = run, node, store, timeouts
+        self.runtime, self.membership = runtime, membership
         self.device = resolve_device(node.device)
         model_cfg = get_preset(run.preset, vocab_size=run.vocab_size)
         self.model = Transformer(model_cfg, seed=run.seed).to(self.device)
@@ -44,9 +55,8 @@ class FullReplica:
         self.shard_names = shard_parameter_names(model_cfg, run.outer.stages)
         self.trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, self.device)
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
-        self.stop = threading.Event()
+        self.stop = membership.stop
         self.round = 0
-        self.runtime: PeerRuntime | None = None
         self.syncs: list[ShardSync] = []
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -66,10 +76,14 @@ class FullReplica:
             param.copy_(value)
 
     def _announce(self, fingerprints: dict[str, str], **extra: Any) -> None:
-        """Our progress record: the round we hold the start weights of, and their fingerprints (donors are checked
-        against them), refreshed by the runtime's heartbeat."""
-        record = {"round": self.round, "fingerprints": fingerprints, "role": "full", **extra}
-        self.runtime.announce(record, self.node.progress_ttl_s)
+        """Our record's progress part: the round we hold the start weights of, and their fingerprints (donors are
+        checked against them)."""
+        self.membership.update(round=self.round, fingerprints=fingerprints, **extra)
+
+    def _replica_records(self, timeout: float = 5.0) -> dict[str, dict[str, Any]] | None:
+        """Records of the run's full replicas (None: the DHT did not answer)."""
+        records = self.runtime.read_records(timeout)
+        return None if records is None else {pid: r for pid, r in records.items() if r["role"] == ROLE_FULL}
 
     def _install_signal_handlers(self) -> None:
         """Ctrl-C / SIGTERM end the run after the current step; hivemind's averager ignores SIGINT otherwise."""
@@ -86,9 +100,6 @@ class FullReplica:
     def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> None:
         """Join, catch up, train every round, leave cleanly (no p2pd or child process left behind)."""
         try:
-            self.runtime = PeerRuntime(
-                self.run_cfg.run_id, self.node.peers, self.node.host, self.node.port, self.node.identity
-            )
             shapes = [[tuple(p.shape) for p in self.shard_params(s)] for s in range(len(self.shard_names))]
             self.syncs = [
                 ShardSync(self.runtime, self.run_cfg, s, shapes[s], self.timeouts) for s in range(len(shapes))
@@ -125,10 +136,9 @@ class FullReplica:
             self.close()
 
     def close(self) -> None:
+        """Leave the averaging groups; the runtime (DHT, p2pd) belongs to the caller."""
         for sync in self.syncs:
             sync.shutdown()
-        if self.runtime is not None:
-            self.runtime.shutdown()
 
     # --------------------------------------------------------------------------------------- state & resync
 
@@ -157,7 +167,7 @@ class FullReplica:
         self._announce(self.shard_fingerprints())
         deadline = time.monotonic() + timeout_s
         while not self.stop.is_set():
-            online = len(self.runtime.read_progress() or {})
+            online = len(self._replica_records() or {})
             if online >= self.node.min_peers:
                 return
             if time.monotonic() > deadline:
@@ -169,7 +179,7 @@ class FullReplica:
 
     def _catch_up(self) -> None:
         """If the swarm is ahead of us (we joined late, restarted, or fell behind), load its newest state."""
-        records = self.runtime.read_progress() or {}
+        records = self._replica_records() or {}
         swarm_round = max((r.get("round", 0) for r in records.values()), default=0)
         if swarm_round > self.round:
             self._load_from_peers(min_round=swarm_round)
@@ -190,7 +200,7 @@ class FullReplica:
         failed: set[tuple[str, int]] = set()  # a donor that failed for a round is not asked again for it
         me = str(self.runtime.peer_id)
         while True:
-            records = self.runtime.read_progress() or {}
+            records = self._replica_records() or {}
             donors = sorted(
                 (
                     (rec["round"], pid)
@@ -257,7 +267,8 @@ class FullReplica:
             losses.append(self.trainer.train_step(x, y))
         compute_s = time.perf_counter() - compute_start
         train_loss = sum(losses) / len(losses)
-        self._announce(start_fps, loss=train_loss)
+        rate = run.outer.inner_steps * run.batch_size * run.seq_len / max(compute_s, 1e-9)
+        self._announce(start_fps, loss=train_loss if math.isfinite(train_loss) else None, tokens_per_s=rate)
 
         comm_start = time.perf_counter()
         outcomes = self._outer_step(t, start, start_fps, compute_s)
@@ -304,7 +315,7 @@ class FullReplica:
         self, t: int, start: list[list[torch.Tensor]], start_fps: dict[str, str], compute_s: float
     ) -> list[ShardOutcome]:
         """Run all shards' rounds concurrently: matchmaking for every shard starts before any result is awaited."""
-        records = self.runtime.read_progress()
+        records = self._replica_records()
         if records is not None and set(records) <= {str(self.runtime.peer_id)}:  # nobody else is alive
             return self._solo_step(t, start, self._clone_shards())
         records = records or {}
@@ -320,7 +331,7 @@ class FullReplica:
                 controls.append(None)
 
         def swarm_moved_on() -> bool:
-            records = self.runtime.read_progress(timeout=1.0) or {}
+            records = self._replica_records(timeout=1.0) or {}
             return any(r.get("round", -1) > t for r in records.values())
 
         return [

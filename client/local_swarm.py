@@ -58,12 +58,12 @@ class LocalSwarm:
         self.processes[name] = process
         return process
 
-    def start_bootstrap(self, timeout: float = 90.0) -> str:
-        """Start a bootstrap on a free loopback port; returns its multiaddr once it printed the join line."""
+    def start_bootstrap(self, run_args: list[str], timeout: float = 90.0) -> str:
+        """Start a bootstrap announcing the run `run_args` define, on a free loopback port; returns its multiaddr
+        once it printed the join line."""
         identity = self.workdir / "bootstrap.id"
-        process = self.start(
-            "bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--identity", str(identity)]
-        )
+        command = ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--identity", str(identity), *run_args]
+        process = self.start("bootstrap", command)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             match = JOIN_LINE.search(self.log_path("bootstrap").read_text())

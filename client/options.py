@@ -75,3 +75,16 @@ def expand_dataclass_options(command: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__signature__ = signature.replace(parameters=new_parameters)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in new_parameters}
     return wrapper
+
+
+def explicit_options() -> set[str]:
+    """Field names the user set on the command line (or via environment) for the running command, as opposed to
+    defaults: a joiner's explicit run options must agree with the swarm's, its defaults simply yield to it."""
+    import click
+    from click.core import ParameterSource
+
+    context = click.get_current_context(silent=True)
+    if context is None:
+        return set()
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return {name for name in context.params if context.get_parameter_source(name) in given}

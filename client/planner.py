@@ -83,7 +83,7 @@ class RoleDecision:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 def _secs(x: float) -> str:

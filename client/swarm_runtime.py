@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hetero_node.protocol.errors import PeerAddressError
-from hetero_node.protocol.keys import blob_handler_name, progress_key
+from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
+from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
+from hetero_node.protocol.records import base_validators, parse_peer_record, run_validators
+from hetero_node.protocol.signing import load_or_create_signing_key, signing_key_path
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -50,6 +53,17 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     return parsed
 
 
+def latest_valid_records(found: dict[Any, tuple[Any, float]]) -> dict[str, tuple[dict[str, Any], float]]:
+    """(record, expiration) of records that pass the schema, by the peer id they claim; of two claiming one id
+    (a peer restarted with a new signing key), the one that expires last wins."""
+    best: dict[str, tuple[dict[str, Any], float]] = {}
+    for value, expiration in found.values():
+        record = parse_peer_record(value)
+        if record is not None and expiration > best.get(record.peer_id, ({}, float("-inf")))[1]:
+            best[record.peer_id] = (value, expiration)
+    return best
+
+
 def use_fork_start_method() -> None:
     """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
     state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
@@ -57,21 +71,27 @@ def use_fork_start_method() -> None:
 
 
 class PeerRuntime:
-    """Owns the DHT, a background asyncio loop thread, the blob handler and the byte counters."""
+    """Owns the DHT, a background asyncio loop thread, the blob and probe handlers, and the byte counters.
+
+    It connects before the run is known (a joiner learns it from the bootstrap); `join_run` then adds the run's
+    record schema and starts serving the run's blobs.
+    """
 
     def __init__(
         self,
-        run_id: str,
         initial_peers: list[str],
         host: str = "127.0.0.1",
         port: int = 0,
         identity_path: Path | None = None,
         announce_maddrs: list[str] | None = None,
+        client_mode: bool = False,
     ) -> None:
         import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
 
-        self.run_id = run_id
         peers = parse_peer_multiaddrs(initial_peers)
+        key = load_or_create_signing_key(signing_key_path(identity_path) if identity_path else None)
+        self.signer = RSASignatureValidator(key)
         use_fork_start_method()
         try:
             self.dht = hivemind.DHT(
@@ -79,10 +99,14 @@ class PeerRuntime:
                 host_maddrs=[f"/ip4/{host}/tcp/{port}"],
                 announce_maddrs=announce_maddrs,
                 identity_path=str(identity_path) if identity_path else None,
+                record_validators=base_validators(self.signer),
+                client_mode=client_mode,
                 start=True,
             )
         except Exception as e:  # hivemind reports unreachable bootstraps as a generic error from its child
             raise PeerAddressError(f"could not join the swarm through {peers}: {e}") from None
+        self.initial_peers = peers
+        self.run_id: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hetero-node-p2p", daemon=True)
         self._thread.start()
@@ -90,17 +114,27 @@ class PeerRuntime:
         self._blobs_lock = threading.Lock()
         self.bytes_served: dict[tuple[str, int, int], int] = defaultdict(int)
         self.requests_served: dict[tuple[str, int, int], int] = defaultdict(int)
-        self._progress: tuple[dict[str, Any], float] = ({}, 0.0)
+        self._record: tuple[dict[str, Any], float] = ({}, 0.0)
         self._heartbeat: Any = None
-        self.p2p = self.run(self._start_p2p())
+        self.p2p = self.run(self.dht.replicate_p2p())
         self.peer_id = self.p2p.peer_id
+        if not client_mode:
+            self.run(register_probe_handlers(self.p2p))
 
-    async def _start_p2p(self) -> Any:
-        p2p = await self.dht.replicate_p2p()
-        await p2p.add_protobuf_handler(
-            blob_handler_name(self.run_id), self._serve_blob, wire.BlobRequest, stream_output=True
-        )
-        return p2p
+    def join_run(self, run_id: str, serve: bool = True) -> None:
+        """Validate this run's peer records and (unless only watching) serve its blobs."""
+        self.run_id = run_id
+        self.dht.add_validators(run_validators(run_id))
+        if serve:
+            self.run(
+                self.p2p.add_protobuf_handler(
+                    blob_handler_name(run_id), self._serve_blob, wire.BlobRequest, stream_output=True
+                )
+            )
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        return [str(a) for a in self.dht.get_visible_maddrs()]
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the background loop from the calling (training) thread."""
@@ -185,47 +219,62 @@ class PeerRuntime:
             time.sleep(0.05)
         return self.requests_served[key]
 
-    # --------------------------------------------------------------------------------------------- progress
+    # ---------------------------------------------------------------------------------------------- records
 
-    def announce(self, record: dict[str, Any], ttl: float) -> None:
-        """Publish our progress record now and keep re-publishing it every ttl/3 s until replaced or shut down.
+    def announce(self, record: dict[str, Any], refresh_s: float) -> None:
+        """Publish our signed peer record now and re-publish it every `refresh_s` until replaced or shut down.
 
-        The record expires ttl seconds after its last refresh, so a dead peer disappears from everyone's view
-        while a live one stays visible however long its inner steps take.
+        It expires 3 × refresh_s after its last refresh, so a dead peer disappears from everyone's view while a
+        live one stays visible however long its inner steps take.
         """
-        self._progress = (record, ttl)
-        self._store_progress()
+        self._record = (record, refresh_s)
+        self._store_record()
         if self._heartbeat is None:
-            self._heartbeat = asyncio.run_coroutine_threadsafe(self._refresh_progress(), self._loop)
+            self._heartbeat = asyncio.run_coroutine_threadsafe(self._refresh_record(), self._loop)
 
-    def _store_progress(self) -> None:
+    def _store_record(self) -> None:
         from hivemind.utils import get_dht_time
 
-        record, ttl = self._progress
+        record, refresh_s = self._record
         self.dht.store(
-            progress_key(self.run_id),
-            subkey=str(self.peer_id),
+            peers_key(self.run_id),
+            subkey=self.signer.local_public_key,
             value=record,
-            expiration_time=get_dht_time() + ttl,
+            expiration_time=get_dht_time() + 3 * refresh_s,
             return_future=True,  # a lost store is repaired by the next refresh (hivemind-notes, H)
         )
 
-    async def _refresh_progress(self) -> None:
+    async def _refresh_record(self) -> None:
         while True:
-            await asyncio.sleep(self._progress[1] / 3)
-            self._store_progress()
+            await asyncio.sleep(self._record[1])
+            self._store_record()
 
-    def read_progress(self, timeout: float = 5.0) -> dict[str, dict[str, Any]] | None:
-        """Live peers' progress records by peer id (ours included); None when the DHT does not answer in time."""
-        future = self.dht.get(progress_key(self.run_id), latest=True, return_future=True)
+    def read_records(self, timeout: float = 5.0) -> dict[str, dict[str, Any]] | None:
+        """Live peers' valid records by peer id (ours included); None when the DHT does not answer in time."""
+        timed = self.read_records_timed(timeout)
+        return None if timed is None else {pid: record for pid, (record, _) in timed.items()}
+
+    def read_records_timed(self, timeout: float = 5.0) -> dict[str, tuple[dict[str, Any], float]] | None:
+        """As `read_records`, with each record's DHT expiration time."""
+        found = self._get(peers_key(self.run_id), timeout)
+        return None if found is None else latest_valid_records(found)
+
+    def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
+        """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""
+        future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = future.result(timeout)
         except Exception as e:  # a DHT that does not answer must not stall training (hivemind-notes, H)
-            logger.warning("reading peer progress from the DHT failed: %r", e)
+            logger.warning("reading %s from the DHT failed: %r", key, e)
             return None
         if found is None or not isinstance(found.value, dict):
             return {}
-        return {str(k): v.value for k, v in found.value.items() if isinstance(v.value, dict)}
+        return {k: (v.value, v.expiration_time) for k, v in found.value.items()}
+
+    def read_run_announcements(self, timeout: float = 5.0) -> dict[bytes, dict[str, Any]] | None:
+        """Run announcements by signing key (validated by the DHT's schema and signature validators)."""
+        found = self._get(runs_key(), timeout)
+        return None if found is None else {k: v for k, (v, _) in found.items() if isinstance(v, dict)}
 
     def shutdown(self) -> None:
         """Stop the DHT (and its p2pd) and the loop; safe to call twice."""

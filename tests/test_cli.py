@@ -1,4 +1,4 @@
-"""The `hetero-node` command line: commands, version, one-line errors, placeholders, and a real local run.
+"""The `hetero-node` command line: commands, version, one-line errors, and a real local run.
 
 Most cases call `main()` in-process (the same wrapper the console script runs); the console script itself is
 run as a subprocess where its installation is what is being tested.
@@ -123,11 +123,22 @@ def test_log_level_reaches_logging_and_hivemind(
     assert os.environ["HIVEMIND_LOGLEVEL"] == "INFO"
 
 
-def test_placeholder_exits_2_saying_not_available(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["status", "--peers", "/ip4/127.0.0.1/tcp/1"], "is not a peer multiaddr"),
+        (["join", "--peers", "not-an-address"], "is not a peer multiaddr"),
+        (["join", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z",
+          "--role", "full", "--stage", "1"], "--stage 1"),
+        (["join", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z",
+          "--memory-gb", "-2"], "--memory-gb must be a positive number"),
+    ],
+)  # fmt: skip
+def test_membership_commands_reject_bad_arguments_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    code, _, err = run_main(monkeypatch, capsys, "status")
-    assert code == 2 and err.startswith("not available yet: ") and "hetero-node status" in err
+    code, _, err = run_main(monkeypatch, capsys, *args)
+    assert code == 1 and err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_train_prints_summary_and_writes_report(

@@ -110,3 +110,24 @@ def test_join_through_an_unreachable_bootstrap_is_a_clear_error() -> None:
     )
     assert result.returncode == 1
     assert "could not join the swarm" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
+    from rich.console import Console
+
+    from hetero_node.client.status import render
+
+    peer = {
+        "peer_id": "QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z", "role": "stage", "vr": 0, "stage": 1,
+        "gpus": [{"name": "RTX 3060", "memory_gb": 12.0}], "cpu_cores": 8, "memory_gb": 11.5, "upload_mbps": 48.0,
+        "download_mbps": 95.0, "tokens_per_s": 0.0, "round": 3, "loss": 3.25, "last_seen_s": 2.0, "view": "ab",
+    }  # fmt: skip
+    snapshot = {
+        "run_id": "0123456789abcdef", "run": None, "round": 3, "peers": [peer],
+        "virtual_replicas": {"0": {"stages": {"1": peer["peer_id"]}, "missing": [0]}}, "views_agree": True,
+    }  # fmt: skip
+    console = Console(width=160, record=True)
+    console.print(render(snapshot))
+    text = console.export_text()
+    assert peer["peer_id"] not in text and "36YMKx4Z" in text and "RTX 3060" in text and "48/95" in text
+    assert "missing stages" in text and "│ 0  " in text and "see the same plan: yes" in text

@@ -27,26 +27,39 @@ pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]
 FAULTY_PEER = [sys.executable, str(Path(__file__).parent / "peers" / "faulty_peer.py")]
 
 
-def join_args(peers: str, index: int, workdir: Path, rounds: int, inner_steps: int = 8, **extra: str) -> list[str]:
-    """One replica of the tests' run; every replica of a test must get the same run settings."""
+def options(**values: str) -> list[str]:
+    return [arg for key, value in values.items() for arg in (f"--{key.replace('_', '-')}", value)]
+
+
+def run_args(rounds: int, inner_steps: int = 8, **extra: str) -> list[str]:
+    """The tests' run definition; the bootstrap announces it and replicas adopt it."""
     args = [
-        "--log-level", "INFO", "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
         "--preset", "tiny", "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
         "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
-        "--matchmaking-s", "3", "--round-timeout-s", "20", "--fetch-timeout-s", "10", "--progress-ttl-s", "10",
+    ]  # fmt: skip
+    return args + options(**extra)
+
+
+def join_args(peers: str, index: int, workdir: Path, **extra: str) -> list[str]:
+    """Replica `index`'s node options (no run options: it learns the run from the bootstrap)."""
+    args = [
+        "--log-level", "INFO", "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
+        "--matchmaking-s", "3", "--round-timeout-s", "20", "--fetch-timeout-s", "10", "--record-refresh-s", "3",
+        "--settle-s", "1", "--bandwidth-mbps", "1000",
         "--metrics", str(workdir / f"r{index}.jsonl"), "--checkpoint-dir", str(workdir / f"r{index}.ckpt"), "--quiet",
     ]  # fmt: skip
-    for key, value in extra.items():
-        args += [f"--{key.replace('_', '-')}", value]
-    return args
+    return args + options(**extra)
 
 
-def start_replicas(swarm: LocalSwarm, count: int, workdir: Path, rounds: int, **kwargs: Any) -> str:
+def start_replicas(
+    swarm: LocalSwarm, count: int, workdir: Path, rounds: int, inner_steps: int = 8,
+    run_extra: dict[str, str] | None = None, **node_extra: str,
+) -> str:  # fmt: skip
     """A bootstrap plus replicas r0..r{count-1} of one run; returns the bootstrap's multiaddr for later joiners."""
-    peers = swarm.start_bootstrap()
-    kwargs.setdefault("min_peers", str(count))  # start together: processes take seconds to import on 2 cores
+    peers = swarm.start_bootstrap(run_args(rounds, inner_steps, **(run_extra or {})))
+    node_extra.setdefault("min_peers", str(count))  # start together: processes take seconds to import on 2 cores
     for i in range(count):
-        swarm.start(f"r{i}", join_args(peers, i, workdir, rounds=rounds, **kwargs))
+        swarm.start(f"r{i}", join_args(peers, i, workdir, **node_extra))
     return peers
 
 
@@ -105,7 +118,7 @@ def test_late_joiner_catches_up(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         peers = start_replicas(swarm, 2, tmp_path, rounds=16, inner_steps=20)
         wait_for_round(tmp_path, 0, 0)
-        swarm.start("r2", join_args(peers, 2, tmp_path, rounds=16, inner_steps=20))
+        swarm.start("r2", join_args(peers, 2, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
     late, early = rounds_of(tmp_path, 2), rounds_of(tmp_path, 0)
     first = min(late)
@@ -145,7 +158,7 @@ def test_restart_resumes_from_checkpoint_with_error_feedback(tmp_path: Path) -> 
         saved = torch.load(tmp_path / "r1.ckpt" / CHECKPOINT_NAME, weights_only=True)
         saved_ef = ef_fingerprint(tmp_path / "r1.ckpt")
         before = set(rounds_of(tmp_path, 1))
-        swarm.start("r1", join_args(peers, 1, tmp_path, rounds=6, inner_steps=20))
+        swarm.start("r1", join_args(peers, 1, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
     log = (tmp_path / "r1.log").read_text()
     assert f"resumed from checkpoint at round {saved['round']} (error feedback {saved_ef})" in log
@@ -161,7 +174,7 @@ def run_pair(workdir: Path, faulty_modes: list[str]) -> dict[int, dict[str, Any]
         everyone = str(2 + len(faulty_modes))
         peers = start_replicas(swarm, 2, workdir, rounds=3, min_peers=everyone)
         for j, mode in enumerate(faulty_modes):
-            args = join_args(peers, 2 + j, workdir, rounds=3, min_peers=everyone)
+            args = join_args(peers, 2 + j, workdir, min_peers=everyone)
             swarm.start(f"faulty{j}", [mode, *args], program=FAULTY_PEER)
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
     return rounds_of(workdir, 0)
@@ -187,7 +200,7 @@ def test_corrupt_checkpoint_falls_back_to_the_swarms_state(tmp_path: Path) -> No
         checkpoint = tmp_path / "r1.ckpt" / CHECKPOINT_NAME
         checkpoint.write_bytes(b"not a checkpoint" + checkpoint.read_bytes()[100:])
         before = set(rounds_of(tmp_path, 1))
-        swarm.start("r1", join_args(peers, 1, tmp_path, rounds=8, inner_steps=20))
+        swarm.start("r1", join_args(peers, 1, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
     log = (tmp_path / "r1.log").read_text()
     assert f"checkpoint {checkpoint} is corrupt" in log and "loaded the swarm's state" in log
@@ -198,7 +211,7 @@ def test_corrupt_checkpoint_falls_back_to_the_swarms_state(tmp_path: Path) -> No
 
 def test_diloco_baseline_runs_on_the_same_machinery(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
-        start_replicas(swarm, 2, tmp_path, rounds=2, outer="diloco", diloco_wire="fp16")
+        start_replicas(swarm, 2, tmp_path, rounds=2, run_extra={"outer": "diloco", "diloco_wire": "fp16"})
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
     r0, r1 = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
     n_params = read_metrics(tmp_path / "r0.jsonl")[0]["n_params"]

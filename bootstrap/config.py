@@ -1,0 +1,32 @@
+"""Where a bootstrap listens and who it is; light (no hivemind import) because the CLI is built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetero_node.protocol.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """Where the bootstrap listens and who it is."""
+
+    host: str = field(default="0.0.0.0", metadata={"help": "Interface to listen on."})
+    port: int = field(default=31337, metadata={"help": "Fixed TCP port, so the multiaddr survives restarts."})
+    identity: Path = field(
+        default=Path("bootstrap.id"),
+        metadata={"help": "Private key file (created if missing): fixes the peer id; <file>.rsa signs the run."},
+    )
+    announce: str | None = field(
+        default=None, metadata={"help": "Public IP or hostname to advertise (behind NAT or in Docker)."}
+    )
+    heartbeat_s: float = field(
+        default=30.0, metadata={"help": "How often to refresh the routing table and re-publish the run."}
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if not self.heartbeat_s > 0:
+            raise ConfigError(f"--heartbeat-s must be positive, got {self.heartbeat_s}")

@@ -1,0 +1,125 @@
+"""What `hetero-node join` does, start to finish.
+
+connect → learn the run (the bootstrap's signed announcement, or this node's own options when the bootstrap is a
+plain hivemind-dht) → load and check the data → measure hardware, bandwidth and throughput → publish a record
+and settle on a role with the planner → train as a full replica, or hold a pipeline slot → leave cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from importlib.metadata import version
+from typing import Any
+
+from hetero_node.client.bandwidth import node_bandwidth
+from hetero_node.client.capabilities import measure_throughput, probe_hardware, run_requirements
+from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.membership import Membership
+from hetero_node.client.metrics import RoundRecord
+from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING
+from hetero_node.client.run_definition import adopt_announced_run, fetch_run_announcement
+from hetero_node.client.run_setup import prepare_run
+from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.trainer import resolve_device
+from hetero_node.models.paths import default_cache_dir
+from hetero_node.protocol.run_config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _leave_on_signals(stop: threading.Event) -> None:
+    """Ctrl-C / SIGTERM: leave after the current step, shutting the DHT and p2pd down (hivemind-notes, E)."""
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        logger.warning("signal %d: leaving the swarm", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def _initial_record(
+    runtime: PeerRuntime, run: RunConfig, node: NodeConfig, requested_role: str, pinned_stage: int
+) -> dict[str, Any]:
+    """Measure this node and describe it as a PeerRecord (role still "joining")."""
+    device = resolve_device(node.device)
+    hardware = probe_hardware(device, node.memory_gb)
+    bandwidth = node_bandwidth(
+        runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
+    )
+    req = run_requirements(run)
+    fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
+    throughput = measure_throughput(run, device) if fits and requested_role != "stage" else 0.0
+    return {
+        "peer_id": str(runtime.peer_id),
+        "addrs": runtime.visible_maddrs[:16],
+        "version": version("hetero-node"),
+        "gpus": [{"name": name[:128], "memory_gb": round(gb, 2)} for name, gb in hardware.gpus],
+        "cpu_cores": hardware.cpu_cores,
+        "ram_gb": round(hardware.ram_gb, 2),
+        "memory_gb": round(hardware.memory_gb, 3),
+        "upload_mbps": bandwidth.upload_mbps,
+        "download_mbps": bandwidth.download_mbps,
+        "bandwidth_source": bandwidth.source,
+        "tokens_per_s": round(throughput, 1),
+        "role": ROLE_JOINING,
+        "requested_role": requested_role,
+        "pinned_stage": pinned_stage,
+        "stage": -1,
+        "vr": -1,
+        "round": 0,
+        "loss": None,
+        "fingerprints": {},
+        "view": "",
+        "refresh_s": float(node.record_refresh_s),
+    }
+
+
+def run_node(
+    configs: dict[str, Any],
+    explicit: set[str],
+    node: NodeConfig,
+    timeouts: SyncTimeouts,
+    requested_role: str,
+    pinned_stage: int,
+    on_status: Callable[[str], None],
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> None:
+    """See the module docstring; blocks until the run ends or a signal asks the node to leave."""
+    from hetero_node.client.full_replica import FullReplica  # after the cheap checks: torch-heavy
+
+    runtime = PeerRuntime(node.peers, node.host, node.port, node.identity)
+    stop = threading.Event()
+    _leave_on_signals(stop)
+    membership = None
+    try:
+        on_status("reading the run announcement")
+        announcement = fetch_run_announcement(runtime)
+        if announcement is not None:
+            run, store = adopt_announced_run(announcement, configs, explicit)
+        else:
+            logger.warning("no peer in --peers announces a run; using this node's own run options")
+            run, store = prepare_run(configs["run"], configs["outer"], configs["optim"], configs["sparseloco"])
+        runtime.join_run(run.run_id)
+        on_status(f"run {run.run_id}: measuring this node")
+        record = _initial_record(runtime, run, node, requested_role, pinned_stage)
+        membership = Membership(runtime, run_requirements(run), record, node.record_refresh_s, node.settle_s, stop)
+        on_status(f"run {run.run_id}: choosing a role")
+        if membership.settle() is None:
+            return
+        membership.watch()
+        if membership.role == ROLE_FULL:
+            on_status(f"run {run.run_id}: full replica, joining the swarm")
+            FullReplica(run, node, store, timeouts, runtime, membership).run(on_round)
+        else:
+            vr, stage = membership.slot
+            on_status(f"run {run.run_id}: holding pipeline slot vr {vr} stage {stage}")
+            logger.warning("holding pipeline slot vr %d stage %d; this version does not run stages yet", vr, stage)
+            stop.wait()
+    finally:
+        if membership is not None:
+            membership.close()
+        runtime.shutdown()

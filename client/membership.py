@@ -1,0 +1,155 @@
+"""A node's place in the swarm: its signed record, its role, its pipeline slot, and its view of the plan.
+
+Joining: publish a record with role "joining" → wait for records to propagate → run the planner on every live
+record → publish the decision (full, or a claimed (vr, stage) slot) → wait again and re-read: a slot that a
+lower peer id also claims is lost, and the planner places us again. Afterwards a watcher re-reads the records
+every refresh: it keeps `view` (the digest of the plan this node sees) current, so everyone can check that all
+nodes agree, and it re-plans a stage peer that lost its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, PeerInfo, Plan, Requirements, plan
+from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.protocol.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+def peer_info(record: dict[str, Any]) -> PeerInfo:
+    """The planner's view of a (schema-valid) record."""
+    return PeerInfo(
+        peer_id=record["peer_id"],
+        memory_bytes=int(record["memory_gb"] * GB),
+        upload_mbps=record["upload_mbps"],
+        download_mbps=record["download_mbps"],
+        tokens_per_s=record["tokens_per_s"],
+        role=record["role"],
+        vr=record["vr"],
+        stage=record["stage"],
+        requested_role=record["requested_role"],
+        pinned_stage=record["pinned_stage"],
+    )
+
+
+def plan_from_records(records: dict[str, dict[str, Any]], req: Requirements) -> Plan:
+    return plan((peer_info(r) for r in records.values()), req)
+
+
+class Membership:
+    """See the module docstring. `update` changes fields of our record and re-publishes it at once."""
+
+    def __init__(
+        self,
+        runtime: PeerRuntime,
+        req: Requirements,
+        record: dict[str, Any],
+        refresh_s: float,
+        settle_s: float,
+        stop: threading.Event,
+    ) -> None:
+        self.runtime, self.req, self.refresh_s, self.settle_s = runtime, req, refresh_s, settle_s
+        self.record = dict(record)
+        self.me = record["peer_id"]
+        self.stop = stop  # the node's "leaving" flag: ends the watcher, and training
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def role(self) -> str:
+        return self.record["role"]
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self.record.update(fields)
+            self.runtime.announce(dict(self.record), self.refresh_s)
+
+    def _records(self) -> dict[str, dict[str, Any]]:
+        """Live records, ours as we last wrote it (the DHT may not show our newest write yet)."""
+        records = self.runtime.read_records() or {}
+        records[self.me] = dict(self.record)
+        return records
+
+    def _apply(self, current: Plan) -> None:
+        role = current.roles.get(self.me)
+        if role is None:
+            raise ConfigError(f"this node cannot take part in the run: {current.reasons.get(self.me, 'no reason')}")
+        vr, stage = current.slots.get(self.me, (-1, -1))
+        self.update(role=role, vr=vr, stage=stage)
+
+    def _contested(self, records: dict[str, dict[str, Any]]) -> bool:
+        """Someone with a lower peer id holds our slot: they keep it (the planner's rule), we move."""
+        if self.role != ROLE_STAGE:
+            return False
+        slot = (self.record["vr"], self.record["stage"])
+        return any(
+            r["role"] == ROLE_STAGE and (r["vr"], r["stage"]) == slot and pid < self.me
+            for pid, r in records.items()
+            if pid != self.me
+        )
+
+    def settle(self, max_attempts: int = 20) -> Plan | None:
+        """Decide our role and claim our slot (see the module docstring); returns the plan we acted on, or None
+        when `stop` was set meanwhile."""
+        self.update(role=ROLE_JOINING, vr=-1, stage=-1)
+        self.stop.wait(self.settle_s)
+        for _ in range(max_attempts):
+            if self.stop.is_set():
+                return None
+            current = plan_from_records(self._records(), self.req)
+            self._apply(current)
+            if self.role == ROLE_FULL:
+                break
+            self.stop.wait(self.settle_s)
+            if not self._contested(self._records()):
+                break
+            logger.info("slot vr %d stage %d is held by a lower peer id; planning again", *self.slot)
+        else:
+            raise ConfigError(f"could not claim a pipeline slot after {max_attempts} attempts")
+        logger.info("role %s%s: %s", self.role, self._slot_text(), current.reasons.get(self.me, ""))
+        self._refresh_view()
+        return current
+
+    @property
+    def slot(self) -> tuple[int, int]:
+        return self.record["vr"], self.record["stage"]
+
+    def _slot_text(self) -> str:
+        return f" (vr {self.record['vr']}, stage {self.record['stage']})" if self.role == ROLE_STAGE else ""
+
+    def _refresh_view(self) -> None:
+        """Re-plan from the current records; publish the digest if it changed; move off a contested slot."""
+        records = self._records()
+        current = plan_from_records(records, self.req)
+        if self._contested(records):
+            logger.warning("lost slot vr %d stage %d to a lower peer id; planning again", *self.slot)
+            self._apply(current)
+            return
+        if current.digest() != self.record["view"]:
+            self.update(view=current.digest())
+
+    def watch(self) -> None:
+        """Keep the view current in a background thread until `stop` is set."""
+
+        def loop() -> None:
+            while not self.stop.wait(self.refresh_s):
+                try:
+                    self._refresh_view()
+                except ConfigError as e:
+                    logger.error("%s", e)
+                except Exception as e:  # a DHT hiccup must not kill the watcher (or training)
+                    logger.warning("refreshing the swarm view failed: %r", e)
+
+        self._watcher = threading.Thread(target=loop, name="hetero-node-membership", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)

@@ -1,0 +1,163 @@
+"""Where a node's run definition comes from: a bootstrap's signed announcement, a `run.toml`, or the command line.
+
+A bootstrap takes defaults < `--config run.toml` < explicit options. A joiner adopts the announced run; any run
+option it set explicitly must agree with it, and its own data and tokenizer must hash to the run's identities,
+so a mismatch is an error that names what differs instead of a silently separate swarm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from hetero_node.client.config import RunOptions
+from hetero_node.client.run_setup import prepare_run
+from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.models.data import TokenStore
+from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.keys import RUN_KEY_HANDLER
+from hetero_node.protocol.proto_build import load_proto_module
+from hetero_node.protocol.records import RunAnnouncement
+from hetero_node.protocol.run_config import PROTOCOL_VERSION, OptimConfig, OuterConfig, RunConfig, SparseLoCoConfig
+
+logger = logging.getLogger(__name__)
+wire = load_proto_module("wire")
+
+RUN_SECTIONS: dict[str, type] = {
+    "run": RunOptions,
+    "outer": OuterConfig,
+    "optim": OptimConfig,
+    "sparseloco": SparseLoCoConfig,
+}
+"""`run.toml` tables and the config each fills; keys are the CLI option names with underscores."""
+LOCAL_RUN_OPTIONS = {"data", "tokenizer", "cache_dir"}
+"""Run options that name local files: compared through the identities they produce, not by value."""
+
+
+def load_run_file(path: Path) -> dict[str, dict[str, Any]]:
+    """Parse a run.toml into {section: {field: value}}; unknown tables or keys are errors, not ignored typos."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    for section, values in data.items():
+        if section not in RUN_SECTIONS or not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: unknown table [{section}]; expected {', '.join(RUN_SECTIONS)}")
+        known = {f.name for f in dataclasses.fields(RUN_SECTIONS[section])}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown keys in [{section}]: {', '.join(sorted(unknown))}")
+    return data
+
+
+def apply_run_file(configs: dict[str, Any], run_file: dict[str, dict[str, Any]], explicit: set[str]) -> dict[str, Any]:
+    """Configs with the file's values, except where an option was given explicitly on the command line."""
+    merged = {}
+    for section, config in configs.items():
+        values = {
+            k: Path(v) if k in LOCAL_RUN_OPTIONS else v
+            for k, v in run_file.get(section, {}).items()
+            if k not in explicit
+        }
+        try:
+            merged[section] = dataclasses.replace(config, **values)
+        except TypeError as e:
+            raise ConfigError(f"run file [{section}]: {e}") from None
+    return merged
+
+
+def _explicit_conflicts(run: RunConfig, configs: dict[str, Any], explicit: set[str]) -> list[str]:
+    """Explicit options whose value differs from the announced run's."""
+    announced = {"run": run, "outer": run.outer, "optim": run.optim, "sparseloco": run.sparseloco}
+    conflicts = []
+    for section, config in configs.items():
+        for f in dataclasses.fields(config):
+            if f.name not in explicit or f.name in LOCAL_RUN_OPTIONS:
+                continue
+            mine, theirs = getattr(config, f.name), getattr(announced[section], f.name)
+            if mine != theirs:
+                conflicts.append(f"--{f.name.replace('_', '-')} {mine} (the swarm's run uses {theirs})")
+    return conflicts
+
+
+def _check_versions(announcement: RunAnnouncement) -> None:
+    ours = version("hetero-node")
+    if announcement.protocol_version != PROTOCOL_VERSION:
+        raise ConfigError(
+            f"the swarm speaks protocol {announcement.protocol_version}, this hetero-node {ours} speaks "
+            f"{PROTOCOL_VERSION}: install hetero-node {announcement.software_version}"
+        )
+    if announcement.software_version.split(".")[:2] != ours.split(".")[:2]:
+        raise ConfigError(
+            f"the swarm runs hetero-node {announcement.software_version}, this is {ours}: "
+            f"install hetero-node {announcement.software_version}"
+        )
+
+
+def adopt_announced_run(
+    announcement: RunAnnouncement, configs: dict[str, Any], explicit: set[str]
+) -> tuple[RunConfig, TokenStore]:
+    """The announced run plus this node's token store, after every check in the module docstring."""
+    _check_versions(announcement)
+    run = RunConfig.from_dict(announcement.config)
+    if run.run_id != announcement.run_id:
+        raise ConfigError(f"the announced config hashes to {run.run_id}, not to its run id {announcement.run_id}")
+    conflicts = _explicit_conflicts(run, configs, explicit)
+    if conflicts:
+        raise ConfigError("your options differ from the swarm's run: " + "; ".join(conflicts))
+    options = dataclasses.replace(
+        configs["run"], preset=run.preset, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed,
+        data_shards=run.data_shards,
+    )  # fmt: skip
+    mine, store = prepare_run(options, run.outer, run.optim, run.sparseloco)
+    differences = []
+    if mine.tokenizer_identity != run.tokenizer_identity:
+        differences.append(f"tokenizer identity {mine.tokenizer_identity} (the run's: {run.tokenizer_identity})")
+    if mine.data_identity != run.data_identity:
+        differences.append(
+            f"data identity {mine.data_identity} (the run trains on {announcement.data_source}: {run.data_identity})"
+        )
+    if differences:
+        raise ConfigError("your data does not match the swarm's run: " + "; ".join(differences))
+    logger.info("adopted run %s announced by %s", run.run_id, announcement.peer_id)
+    return run, store
+
+
+def fetch_run_announcement(runtime: PeerRuntime, timeout_s: float = 15.0) -> RunAnnouncement | None:
+    """The run announced by the first `--peers` entry that announces one; None if none does (a stock hivemind-dht).
+
+    The peer tells us its signing key over libp2p (which authenticates its peer id); only the DHT record signed
+    by that key is accepted, so another peer cannot slip in a different run.
+    """
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for maddr in runtime.initial_peers:
+        peer_id = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+        request = runtime.p2p.call_protobuf_handler(peer_id, RUN_KEY_HANDLER, wire.RunKeyRequest(), wire.RunKeyReply)
+        try:
+            reply = runtime.run(asyncio.wait_for(request, 5.0))
+        except Exception as e:  # no handler (a plain DHT peer) or unreachable: try the next address
+            logger.info("%s announces no run (%r)", peer_id, e)
+            continue
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = runtime.read_run_announcements() or {}
+            if reply.public_key in found:
+                return RunAnnouncement.parse_obj(found[reply.public_key])
+            time.sleep(0.5)
+        raise ConfigError(f"{peer_id} runs {reply.run_id} but its signed run announcement is not in the DHT")
+    return None
+
+
+def data_source_name(options: RunOptions) -> str:
+    """What a bootstrap tells joiners its data is (they must have the same bytes themselves)."""
+    return "the bundled corpus" if options.data is None else f"the file {options.data.name}"

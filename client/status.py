@@ -1,0 +1,117 @@
+"""`hetero-node status`: the swarm as the DHT describes it, as a table, JSON, or a live view.
+
+It joins the DHT as a client (it serves nothing and owns no records), learns the run from the bootstrap's
+announcement (or `--run-id`), and reads the run's peer records: only signed, schema-valid ones count.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from hetero_node.client.planner import ROLE_FULL, ROLE_STAGE
+from hetero_node.client.run_definition import fetch_run_announcement
+from hetero_node.client.swarm_runtime import PeerRuntime, parse_peer_multiaddrs
+from hetero_node.protocol.errors import ConfigError
+
+
+def swarm_snapshot(runtime: PeerRuntime, run: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything the status views show, as plain JSON-able data."""
+    from hivemind.utils import get_dht_time
+
+    timed = runtime.read_records_timed() or {}
+    now = get_dht_time()
+    peers = []
+    for _, (record, expiration) in sorted(timed.items()):
+        last_seen = max(0.0, now - (expiration - 3 * record["refresh_s"]))
+        peers.append({**record, "last_seen_s": round(last_seen, 1)})
+    stage_records = [p for p in peers if p["role"] == ROLE_STAGE]
+    stages = run["outer"]["stages"] if run else max((p["stage"] + 1 for p in stage_records), default=0)
+    replicas: dict[int, dict[int, str]] = {}
+    for p in stage_records:
+        replicas.setdefault(p["vr"], {})[p["stage"]] = p["peer_id"]
+    views = Counter(p["view"] for p in peers if p["view"])
+    return {
+        "run_id": runtime.run_id,
+        "run": run,
+        "round": max((p["round"] for p in peers if p["role"] == ROLE_FULL), default=0),
+        "peers": peers,
+        "virtual_replicas": {
+            str(vr): {
+                "stages": {str(s): pid for s, pid in sorted(held.items())},
+                "missing": [s for s in range(stages) if s not in held],
+            }
+            for vr, held in sorted(replicas.items())
+        },
+        "views_agree": len(views) == 1 and sum(views.values()) == len(peers),
+    }
+
+
+def _peer_table(snapshot: dict[str, Any]) -> Table:
+    run = snapshot["run"]
+    title = f"run {snapshot['run_id']}" + (f" · {run['preset']} · H={run['outer']['inner_steps']}" if run else "")
+    table = Table(title=f"{title} · round {snapshot['round']} · {len(snapshot['peers'])} peers")
+    for column in ("peer", "role", "vr", "stage", "gpu", "mem GB", "up/down Mbit/s", "tokens/s", "round", "loss",
+                   "seen"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("peer", "role", "gpu") else "right")
+    for p in snapshot["peers"]:
+        gpu = p["gpus"][0]["name"] if p["gpus"] else f"cpu ×{p['cpu_cores']}"
+        table.add_row(
+            p["peer_id"][-8:], p["role"], str(p["vr"]) if p["vr"] >= 0 else "", str(p["stage"]) if p["stage"] >= 0
+            else "", gpu, f"{p['memory_gb']:.2f}", f"{p['upload_mbps']:,.0f}/{p['download_mbps']:,.0f}",
+            f"{p['tokens_per_s']:,.0f}", str(p["round"]), "" if p["loss"] is None else f"{p['loss']:.3f}",
+            f"{p['last_seen_s']:.0f}s ago",
+        )  # fmt: skip
+    return table
+
+
+def _replica_table(snapshot: dict[str, Any]) -> Table:
+    table = Table(title="virtual replicas")
+    for column in ("vr", "stages held (peer)", "missing stages"):
+        table.add_column(column)
+    for vr, info in snapshot["virtual_replicas"].items():
+        held = ", ".join(f"{s}: {pid[-8:]}" for s, pid in info["stages"].items())
+        table.add_row(vr, held, ", ".join(map(str, info["missing"])) or "complete")
+    return table
+
+
+def render(snapshot: dict[str, Any]) -> Group:
+    agree = "yes" if snapshot["views_agree"] else "not yet"
+    parts: list[Any] = [_peer_table(snapshot)]
+    if snapshot["virtual_replicas"]:
+        parts.append(_replica_table(snapshot))
+    parts.append(f"all peers see the same plan: {agree}")
+    return Group(*parts)
+
+
+def show_status(peers: list[str], run_id: str | None, as_json: bool, watch_s: float, console: Console) -> None:
+    """See the module docstring; with `watch_s` > 0, refresh until Ctrl-C."""
+    addresses = parse_peer_multiaddrs([p for arg in peers for p in arg.replace(",", " ").split()])
+    runtime = PeerRuntime(addresses, client_mode=True)
+    try:
+        announcement = fetch_run_announcement(runtime)
+        if announcement is None and run_id is None:
+            raise ConfigError("no peer in --peers announces a run (a plain hivemind-dht?); pass --run-id")
+        run = announcement.config if announcement is not None else None
+        runtime.join_run(announcement.run_id if announcement is not None else run_id, serve=False)
+        if as_json:
+            console.out(json.dumps(swarm_snapshot(runtime, run), indent=2), highlight=False)
+            return
+        if watch_s <= 0:
+            console.print(render(swarm_snapshot(runtime, run)))
+            return
+        with Live(render(swarm_snapshot(runtime, run)), console=console, auto_refresh=False) as live:
+            try:
+                while True:
+                    time.sleep(watch_s)
+                    live.update(render(swarm_snapshot(runtime, run)), refresh=True)
+            except KeyboardInterrupt:
+                pass
+    finally:
+        runtime.shutdown()

@@ -1,0 +1,53 @@
+"""Bandwidth measurement over a real shaped link: a node in a network namespace whose veth is limited by
+`tc tbf` to 50 Mbit/s each way measures itself against a bootstrap on a 1 Gbit/s link, through hivemind P2P."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetero_node.bench.netns import NetLab, netns_unavailable_reason
+
+UNAVAILABLE = netns_unavailable_reason()
+pytestmark = [
+    pytest.mark.multipeer,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(UNAVAILABLE is not None, reason=f"needs network namespaces and tc as root: {UNAVAILABLE}"),
+]
+CLI = [sys.executable, "-m", "hetero_node.client.cli"]
+RUN = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "64"]
+
+
+def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> None:
+    with NetLab() as lab:
+        hub = lab.add_node("boot", up_mbit=1000)
+        edge = lab.add_node("edge", up_mbit=50)
+        boot_log = (tmp_path / "bootstrap.log").open("w")
+        bootstrap = [*CLI, "bootstrap", "--host", hub.address, "--port", "31337", "--identity", str(tmp_path / "b.id")]
+        lab.popen(hub, [*bootstrap, *RUN], stdout=boot_log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 90
+        while not (found := re.search(r"--peers\s+(\S+)", (tmp_path / "bootstrap.log").read_text())):
+            assert time.monotonic() < deadline, (tmp_path / "bootstrap.log").read_text()
+            time.sleep(0.3)
+        peers = found.group(1)
+        node_log = (tmp_path / "edge.log").open("w")
+        lab.popen(edge, [*CLI, "--log-level", "INFO", "join", "--peers", peers, "--role", "stage",
+                         "--memory-gb", "0.025", "--remeasure-bandwidth", "--record-refresh-s", "2", "--quiet"],
+                  stdout=node_log, stderr=subprocess.STDOUT)  # fmt: skip
+        record = None
+        while record is None:
+            assert time.monotonic() < deadline + 120, (tmp_path / "edge.log").read_text()[-3000:]
+            time.sleep(2)
+            status = lab.run(hub, [*CLI, "status", "--peers", peers, "--json"], capture_output=True, text=True)
+            peers_seen = json.loads(status.stdout)["peers"]
+            record = next((p for p in peers_seen if p["bandwidth_source"] == "measured"), None)
+    up, down = record["upload_mbps"], record["download_mbps"]
+    print(f"50 Mbit/s tbf link: measured {up} Mbit/s up, {down} Mbit/s down")  # shown with pytest -s
+    assert 35 <= up <= 65, f"measured upload {up} Mbit/s on a 50 Mbit/s link"
+    assert 35 <= down <= 65, f"measured download {down} Mbit/s on a 50 Mbit/s link"

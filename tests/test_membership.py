@@ -1,0 +1,200 @@
+"""Swarm membership with real processes on 127.0.0.1: the bootstrap's signed run announcement, signed and
+schema-checked peer records, automatic roles, and interoperability with stock hivemind DHT nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetero_node.client.local_swarm import LocalSwarm
+from hetero_node.client.metrics import read_metrics
+from hetero_node.client.run_definition import fetch_run_announcement
+from hetero_node.client.status import swarm_snapshot
+from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.protocol.keys import peers_key
+
+pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(300)]
+
+RUN = ["--preset", "tiny", "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--stages", "2"]
+NODE = ["--record-refresh-s", "2", "--settle-s", "2", "--quiet"]
+VENV_BIN = Path(sys.executable).parent
+
+
+@contextlib.contextmanager
+def observer(peers: str, run_id: str | None = None) -> Iterator[PeerRuntime]:
+    """A client-mode DHT peer in this process, reading the run's records like `hetero-node status`."""
+    runtime = PeerRuntime([peers], client_mode=True)
+    try:
+        if run_id is None:
+            announcement = fetch_run_announcement(runtime)
+            assert announcement is not None, "the bootstrap announces no run"
+            run_id = announcement.run_id
+        runtime.join_run(run_id, serve=False)
+        yield runtime
+    finally:
+        runtime.shutdown()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def valid_record(runtime: PeerRuntime, **changes: Any) -> dict[str, Any]:
+    record = {
+        "peer_id": str(runtime.peer_id), "addrs": [], "version": "0.1.0", "gpus": [], "cpu_cores": 2, "ram_gb": 8.0,
+        "memory_gb": 4.0, "upload_mbps": 50.0, "download_mbps": 50.0, "bandwidth_source": "override",
+        "tokens_per_s": 100.0, "role": "joining", "requested_role": "auto", "pinned_stage": -1, "stage": -1, "vr": -1,
+        "round": 0, "loss": None, "fingerprints": {}, "view": "", "refresh_s": 2.0,
+    }  # fmt: skip
+    return {**record, **changes}
+
+
+def test_bootstrap_announces_the_run_and_keeps_its_peer_id_across_restarts(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        first = swarm.start_bootstrap(RUN)
+        with observer(first) as runtime:
+            announcement = fetch_run_announcement(runtime)
+            assert announcement is not None and announcement.config["preset"] == "tiny"
+            assert announcement.peer_id == first.rsplit("/", 1)[1]
+        swarm.stop("bootstrap")
+        port = re.search(r"/tcp/(\d+)/", first).group(1)
+        swarm.start("bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", port,
+                                  "--identity", str(tmp_path / "bootstrap.id"), *RUN])  # fmt: skip
+        second = wait_for(lambda: re.search(r"--peers\s+(\S+)", swarm.log_path("bootstrap").read_text()), 60, "restart")
+        assert second.group(1) == first  # same identity file and port: the same multiaddr
+        with observer(first) as runtime:
+            again = fetch_run_announcement(runtime)
+            assert again is not None and again.run_id == announcement.run_id
+
+
+def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap(RUN)
+        with observer(peers) as reader, contextlib.ExitStack() as stack:
+            writer = PeerRuntime([peers])
+            stack.callback(writer.shutdown)
+            victim = PeerRuntime([peers])
+            stack.callback(victim.shutdown)
+            for runtime in (writer, victim):
+                runtime.join_run(reader.run_id)
+            key = peers_key(reader.run_id)
+            victim.announce(valid_record(victim), refresh_s=2.0)
+            wait_for(lambda: str(victim.peer_id) in (reader.read_records() or {}), 30, "the honest record")
+
+            def store(subkey: bytes, value: dict[str, Any]) -> bool:
+                from hivemind.utils import get_dht_time
+
+                return writer.dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 30)
+
+            # another node's subkey: unsigned by its key, so every validating node refuses it
+            assert not store(victim.signer.local_public_key, valid_record(victim, role="full", memory_gb=999.0))
+            # our own subkey, but values the schema forbids
+            bad_values = [
+                {"upload_mbps": -5.0}, {"gpus": [{"name": "gpu", "memory_gb": 80.0}] * 100}, {"memory_gb": 1e9},
+                {"cpu_cores": 4.0}, {"loss": float("nan")}, {"role": "king"}, {"extra": 1}, {"peer_id": "me"},
+            ]  # fmt: skip
+            for changes in bad_values:
+                assert not store(writer.signer.local_public_key, valid_record(writer, **changes)), changes
+            time.sleep(2)
+            records = reader.read_records()
+            assert records is not None and set(records) == {str(victim.peer_id)}
+            assert (
+                records[str(victim.peer_id)]["role"] == "joining" and records[str(victim.peer_id)]["memory_gb"] == 4.0
+            )
+
+
+def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path: Path) -> None:
+    """Two nodes can hold the model, four only a stage: 2 full replicas and 2 complete virtual replicas."""
+    memory = ["4", "4", "0.025", "0.025", "0.025", "0.025"]
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap([*RUN, "--rounds", "200"])
+        for i, gb in enumerate(memory):
+            swarm.start(f"n{i}", ["--log-level", "INFO", "join", "--peers", peers, "--memory-gb", gb,
+                                  "--bandwidth-mbps", "1000", *NODE])  # fmt: skip
+        with observer(peers) as runtime:
+
+            def settled() -> dict[str, Any] | None:
+                snapshot = swarm_snapshot(runtime, None)
+                roles = [p["role"] for p in snapshot["peers"]]
+                done = len(roles) == 6 and "joining" not in roles and snapshot["views_agree"]
+                return snapshot if done else None
+
+            snapshot = wait_for(settled, 180, "six settled records that all see the same plan")
+        for name in swarm.processes:
+            assert swarm.processes[name].poll() is None, f"{name} exited:\n{swarm.log_path(name).read_text()[-2000:]}"
+    by_memory = {p["memory_gb"]: [] for p in snapshot["peers"]}
+    for p in snapshot["peers"]:
+        by_memory[p["memory_gb"]].append(p["role"])
+    assert sorted(by_memory[4.0]) == ["full", "full"] and by_memory[0.025] == ["stage"] * 4
+    slots = [(p["vr"], p["stage"]) for p in snapshot["peers"] if p["role"] == "stage"]
+    assert len(set(slots)) == 4, f"a slot has two holders: {slots}"
+    assert all(not info["missing"] for info in snapshot["virtual_replicas"].values())
+    assert len(snapshot["virtual_replicas"]) == 2
+    assert len({p["view"] for p in snapshot["peers"]}) == 1
+
+
+def test_stock_hivemind_dht_bootstraps_hetero_node_peers(tmp_path: Path) -> None:
+    """A plain `hivemind-dht` announces no run: peers use their own run options, find each other, and read
+    each other's signed records through it."""
+    with LocalSwarm(tmp_path) as swarm:
+        log = (tmp_path / "stock.log").open("w")
+        stock = subprocess.Popen(
+            [str(VENV_BIN / "hivemind-dht"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+             "--identity_path", str(tmp_path / "stock.id")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            found = wait_for(
+                lambda: re.search(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)", (tmp_path / "stock.log").read_text()),
+                60,
+                "hivemind-dht's address",
+            )
+            peers = found.group(1)
+            for i in range(2):
+                swarm.start(f"r{i}", ["--log-level", "INFO", "join", "--peers", peers, "--role", "full", *RUN,
+                                      "--rounds", "2", "--min-peers", "2", "--bandwidth-mbps", "1000",
+                                      "--metrics", str(tmp_path / f"r{i}.jsonl"), *NODE])  # fmt: skip
+            for i in range(2):
+                code = swarm.wait(f"r{i}", 240)
+                assert code == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(stock.pid, signal.SIGKILL)
+            stock.wait()
+    rounds = [read_metrics(tmp_path / f"r{i}.jsonl")[1] for i in range(2)]
+    assert all(len(r) == 2 for r in rounds)
+    assert rounds[0][-1]["fingerprints"] == rounds[1][-1]["fingerprints"]
+    assert max(r[-1]["group_size"] for r in rounds) == 2  # they found each other through the stock node
+
+
+def test_plain_hivemind_dht_client_joins_through_a_hetero_node_bootstrap(tmp_path: Path) -> None:
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap(RUN)
+        first = hivemind.DHT(initial_peers=[peers], start=True)
+        second = hivemind.DHT(initial_peers=[peers], start=True)
+        try:
+            assert first.store("plain-key", "plain-value", get_dht_time() + 60)
+            found = wait_for(lambda: second.get("plain-key", latest=True), 30, "the plain record")
+            assert found.value == "plain-value"
+        finally:
+            first.shutdown()
+            second.shutdown()
