@@ -145,13 +145,18 @@ class Role(str, Enum):
 
 
 def _run_configs(
-    run_options: RunOptions, outer: OuterConfig, optim: OptimConfig, sparseloco: SparseLoCoConfig, config: Path | None
+    context: typer.Context,
+    run_options: RunOptions,
+    outer: OuterConfig,
+    optim: OptimConfig,
+    sparseloco: SparseLoCoConfig,
+    config: Path | None,
 ) -> tuple[dict[str, object], set[str]]:
     """The run definition from defaults, `--config run.toml` and explicit options (which win), and which
     options were explicit."""
     from hetero_node.client.run_definition import apply_run_file, load_run_file
 
-    explicit = explicit_options()
+    explicit = explicit_options(context)
     configs: dict[str, object] = {"run": run_options, "outer": outer, "optim": optim, "sparseloco": sparseloco}
     if config is not None:
         configs = apply_run_file(configs, load_run_file(config), explicit)
@@ -166,6 +171,7 @@ RUN_FILE_OPTION = typer.Option(
 @app.command()
 @expand_dataclass_options
 def bootstrap(
+    context: typer.Context,
     cfg: BootstrapConfig,
     run_options: RunOptions,
     outer: OuterConfig,
@@ -178,7 +184,7 @@ def bootstrap(
     from hetero_node.client.run_definition import data_source_name
     from hetero_node.client.run_setup import prepare_run
 
-    configs, _ = _run_configs(run_options, outer, optim, sparseloco, config)
+    configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, config)
     run, _store = prepare_run(configs["run"], configs["outer"], configs["optim"], configs["sparseloco"])
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
@@ -193,6 +199,7 @@ def bootstrap(
 @app.command()
 @expand_dataclass_options
 def join(
+    context: typer.Context,
     run_options: RunOptions,
     outer: OuterConfig,
     optim: OptimConfig,
@@ -216,7 +223,7 @@ def join(
         raise ConfigError(f"--stage {stage}: give a stage index ≥ 0 together with --role stage or auto")
     peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
     node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
-    configs, explicit = _run_configs(run_options, outer, optim, sparseloco, config)
+    configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, config)
     if quiet:
         run_node(configs, explicit, node, timeouts, role.value, stage, on_status=lambda _: None)
         return

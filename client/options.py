@@ -77,14 +77,10 @@ def expand_dataclass_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def explicit_options() -> set[str]:
+
+def explicit_options(context: typer.Context) -> set[str]:
     """Field names the user set on the command line (or via environment) for the running command, as opposed to
     defaults: a joiner's explicit run options must agree with the swarm's, its defaults simply yield to it."""
-    import click
-    from click.core import ParameterSource
-
-    context = click.get_current_context(silent=True)
-    if context is None:
-        return set()
-    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
-    return {name for name in context.params if context.get_parameter_source(name) in given}
+    given = {"COMMANDLINE", "ENVIRONMENT"}
+    sources = {name: context.get_parameter_source(name) for name in context.params}
+    return {name for name, source in sources.items() if source is not None and source.name in given}

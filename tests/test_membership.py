@@ -198,3 +198,23 @@ def test_plain_hivemind_dht_client_joins_through_a_hetero_node_bootstrap(tmp_pat
         finally:
             first.shutdown()
             second.shutdown()
+
+
+def test_a_joiner_whose_options_or_data_differ_from_the_run_gets_an_error_naming_the_difference(
+    tmp_path: Path,
+) -> None:
+    other_text = tmp_path / "other.txt"
+    other_text.write_text("Not the bundled corpus at all, just a few words repeated.\n" * 300)
+    cases = [
+        (["--preset", "small"], "--preset small (the swarm's run uses tiny)"),
+        (["--inner-steps", "9"], "--inner-steps 9 (the swarm's run uses 4)"),
+        (["--data", str(other_text)], "your data does not match the swarm's run: data identity"),
+    ]
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap(RUN)
+        for i, (options, _) in enumerate(cases):
+            swarm.start(f"j{i}", ["join", "--peers", peers, *options, *NODE])
+        for i, (_, message) in enumerate(cases):
+            assert swarm.wait(f"j{i}", 120) == 1
+            log = swarm.log_path(f"j{i}").read_text()
+            assert message in log and "Traceback" not in log, log[-2000:]

@@ -14,7 +14,7 @@ import torch
 from hetero_node.client.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from hetero_node.client.outer_sync import majority_fingerprint
 from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
-from hetero_node.protocol.errors import CheckpointError, PeerAddressError
+from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
 from hetero_node.protocol.run_config import OuterConfig, RunConfig, SparseLoCoConfig
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
@@ -131,3 +131,27 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
     text = console.export_text()
     assert peer["peer_id"] not in text and "36YMKx4Z" in text and "RTX 3060" in text and "48/95" in text
     assert "missing stages" in text and "│ 0  " in text and "see the same plan: yes" in text
+
+
+def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Path) -> None:
+    from hetero_node.client.config import RunOptions
+    from hetero_node.client.run_definition import apply_run_file, load_run_file
+    from hetero_node.protocol.run_config import OptimConfig, OuterConfig, SparseLoCoConfig
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('[run]\npreset = "tiny"\nseq_len = 64\n[outer]\ninner_steps = 12\n[optim]\nlr = 0.001\n')
+    configs = {"run": RunOptions(seq_len=32), "outer": OuterConfig(), "optim": OptimConfig(),
+               "sparseloco": SparseLoCoConfig()}  # fmt: skip
+    merged = apply_run_file(configs, load_run_file(run_file), explicit={"seq_len"})
+    assert merged["run"].preset == "tiny" and merged["run"].seq_len == 32  # the command line wins
+    assert merged["outer"].inner_steps == 12 and merged["optim"].lr == 0.001
+
+    run_file.write_text("[outer]\ninner_step = 12\n")
+    with pytest.raises(ConfigError, match=r"unknown keys in \[outer\]: inner_step"):
+        load_run_file(run_file)
+    run_file.write_text("[model]\npreset = 'tiny'\n")
+    with pytest.raises(ConfigError, match=r"unknown table \[model\]"):
+        load_run_file(run_file)
+    run_file.write_text("[outer]\ninner_steps = 0\n")
+    with pytest.raises(ConfigError, match="--inner-steps must be positive"):
+        apply_run_file(configs, load_run_file(run_file), explicit=set())
