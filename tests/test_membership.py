@@ -154,10 +154,12 @@ def test_stock_hivemind_dht_bootstraps_hetero_node_peers(tmp_path: Path) -> None
     each other's signed records through it."""
     with LocalSwarm(tmp_path) as swarm:
         log = (tmp_path / "stock.log").open("w")
+        # it prints its address at INFO; in-process CLI tests may have left WARNING in this process's environment
         stock = subprocess.Popen(
             [str(VENV_BIN / "hivemind-dht"), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
              "--identity_path", str(tmp_path / "stock.id")],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "HIVEMIND_LOGLEVEL": "INFO"},
         )  # fmt: skip
         try:
             found = wait_for(
