@@ -77,7 +77,6 @@ def expand_dataclass_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-
 def explicit_options(context: typer.Context) -> set[str]:
     """Field names the user set on the command line (or via environment) for the running command, as opposed to
     defaults: a joiner's explicit run options must agree with the swarm's, its defaults simply yield to it."""
