@@ -48,13 +48,18 @@ class StageModule(Transformer):
 
 @torch.no_grad()
 def split_model(model: Transformer, n_stages: int) -> list[StageModule]:
-    """Stage modules holding copies of a full model's current weights (same device), e.g. to check composition."""
+    """Stage modules holding copies of a full model's current weights (same device), e.g. to check composition.
+
+    A fixed token table (`embed_fixed`, subspace pipelines) is copied to every stage.
+    """
     device = next(model.parameters()).device
     weights = model.state_dict()
     stages = []
     for s in range(n_stages):
         with device:
             stage = StageModule(model.cfg, s, n_stages)
+        if model.embed_fixed is not None:  # every stage holds the fixed table (boundary decoding needs it)
+            stage.embed_fixed = torch.empty_like(model.embed_fixed)
         stage.load_state_dict({name: weights[name] for name in stage.state_dict()})
         stages.append(stage)
     return stages

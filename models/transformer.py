@@ -9,7 +9,9 @@ Two properties matter to the rest of the system:
   weak peer starts from exactly the weights the same parameters have in the full model, without allocating it.
 
 Every write into the residual stream goes through `attn.wo` or `mlp.w_down`; the subspace-constrained boundary
-code relies on those names.
+code relies on those names. That code may also give a module a fixed token table, the buffer `embed_fixed`
+(vocab × d_model, never a parameter, see `hetero_node.models.subspace`): the embedding is then
+`embed(tok) + embed_fixed[tok]`. Without it (the default) the buffer is None and absent from `state_dict()`.
 """
 
 from __future__ import annotations
@@ -144,6 +146,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)  # derived from cfg: never checkpointed or sent
         self.register_buffer("rope_sin", sin, persistent=False)
+        # the fixed token table of a subspace-compressed pipeline; None (absent from state_dict) until enabled
+        self.embed_fixed: torch.Tensor | None
+        self.register_buffer("embed_fixed", None)
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -166,7 +171,9 @@ class Transformer(nn.Module):
         if t > self.cfg.max_seq_len:
             raise ConfigError(f"sequence length {t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
         if self.embed is not None:
-            x = self.embed(x)
+            tokens, x = x, self.embed(x)
+            if self.embed_fixed is not None:
+                x = x + F.embedding(tokens, self.embed_fixed)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         for block in self.layers.values():
             x = block(x, cos, sin)
