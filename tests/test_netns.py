@@ -50,8 +50,10 @@ with socket.create_connection((sys.argv[1], 5000)) as conn:
 
 # Opens a lab without `with`, so only NetLab's signal handlers (and atexit) can tear it down.
 LAB_OWNER = """
-import time
+import signal, time
 from hetero_node.bench.netns import NetLab
+# like an interactive program: a shell that starts jobs in the background (CI runners do) leaves SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 lab = NetLab()
 sleeper = lab.popen(lab.add_node("a", 10), ["sleep", "600"])
 print(lab.tag, sleeper.pid, flush=True)
