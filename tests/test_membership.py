@@ -220,3 +220,27 @@ def test_a_joiner_whose_options_or_data_differ_from_the_run_gets_an_error_naming
             assert swarm.wait(f"j{i}", 120) == 1
             log = swarm.log_path(f"j{i}").read_text()
             assert message in log and "Traceback" not in log, log[-2000:]
+
+
+def test_a_vanished_stage_holder_expires_and_a_new_node_takes_its_slot(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap(RUN)
+        stage_node = ["join", "--peers", peers, "--memory-gb", "0.025", "--bandwidth-mbps", "100"]
+        for name in ("s0", "s1"):
+            swarm.start(name, [*stage_node, *NODE])
+        with observer(peers) as runtime:
+
+            def slots_once(count: int) -> dict[str, tuple[int, int]] | None:
+                records = runtime.read_records() or {}
+                held = {pid: (r["vr"], r["stage"]) for pid, r in records.items() if r["role"] == "stage"}
+                return held if len(held) == count else None
+
+            before = wait_for(lambda: slots_once(2), 120, "two stage peers")
+            assert sorted(before.values()) == [(0, 0), (0, 1)]  # one complete virtual replica
+            swarm.stop("s1", sig=signal.SIGKILL)  # no goodbye: its record must expire (3 × 2 s)
+            survivors = wait_for(lambda: slots_once(1), 60, "the dead peer's record to expire")
+            vacated = next(slot for pid, slot in before.items() if pid not in survivors)
+            swarm.start("s2", [*stage_node, *NODE])
+            after = wait_for(lambda: slots_once(2), 120, "the replacement")
+        newcomer = next(pid for pid in after if pid not in before)
+        assert after[newcomer] == vacated  # it completed the virtual replica instead of opening a new one
