@@ -19,7 +19,7 @@ from hetero_node.client.capabilities import measure_throughput, probe_hardware, 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.membership import Membership
 from hetero_node.client.metrics import RoundRecord
-from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING
+from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING, Requirements
 from hetero_node.client.run_definition import adopt_announced_run, fetch_run_announcement
 from hetero_node.client.run_setup import prepare_run
 from hetero_node.client.swarm_runtime import PeerRuntime
@@ -42,7 +42,7 @@ def _leave_on_signals(stop: threading.Event) -> None:
 
 
 def _initial_record(
-    runtime: PeerRuntime, run: RunConfig, node: NodeConfig, requested_role: str, pinned_stage: int
+    runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int
 ) -> dict[str, Any]:
     """Measure this node and describe it as a PeerRecord (role still "joining")."""
     device = resolve_device(node.device)
@@ -50,7 +50,6 @@ def _initial_record(
     bandwidth = node_bandwidth(
         runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
     )
-    req = run_requirements(run)
     fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
     throughput = measure_throughput(run, device) if fits and requested_role != "stage" else 0.0
     return {
@@ -105,8 +104,9 @@ def run_node(
             run, store = prepare_run(configs["run"], configs["outer"], configs["optim"], configs["sparseloco"])
         runtime.join_run(run.run_id)
         on_status(f"run {run.run_id}: measuring this node")
-        record = _initial_record(runtime, run, node, requested_role, pinned_stage)
-        membership = Membership(runtime, run_requirements(run), record, node.record_refresh_s, node.settle_s, stop)
+        req = run_requirements(run)
+        record = _initial_record(runtime, run, req, node, requested_role, pinned_stage)
+        membership = Membership(runtime, req, record, node.record_refresh_s, node.settle_s, stop)
         on_status(f"run {run.run_id}: choosing a role")
         if membership.settle() is None:
             return
