@@ -29,7 +29,7 @@ from hetero_node.client.metrics import RoundRecord
 from hetero_node.client.options import expand_dataclass_options, explicit_options
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
-from hetero_node.protocol.run_config import OuterConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 PROG_NAME = "hetero-node"
 
@@ -150,6 +150,7 @@ def _run_configs(
     outer: OuterConfig,
     optim: OptimConfig,
     sparseloco: SparseLoCoConfig,
+    pipeline: PipelineConfig,
     config: Path | None,
 ) -> tuple[dict[str, object], set[str]]:
     """The run definition from defaults, `--config run.toml` and explicit options (which win), and which
@@ -157,14 +158,18 @@ def _run_configs(
     from hetero_node.client.run_definition import apply_run_file, load_run_file
 
     explicit = explicit_options(context)
-    configs: dict[str, object] = {"run": run_options, "outer": outer, "optim": optim, "sparseloco": sparseloco}
+    configs: dict[str, object] = {
+        "run": run_options, "outer": outer, "optim": optim, "sparseloco": sparseloco, "pipeline": pipeline,
+    }  # fmt: skip
     if config is not None:
         configs = apply_run_file(configs, load_run_file(config), explicit)
     return configs, explicit
 
 
 RUN_FILE_OPTION = typer.Option(
-    None, "--config", help="A run.toml with [run], [outer], [optim], [sparseloco] tables (options override it)."
+    None,
+    "--config",
+    help="A run.toml with [run], [outer], [optim], [sparseloco], [pipeline] tables (options override it).",
 )
 
 
@@ -177,6 +182,7 @@ def bootstrap(
     outer: OuterConfig,
     optim: OptimConfig,
     sparseloco: SparseLoCoConfig,
+    pipeline: PipelineConfig,
     config: Path | None = RUN_FILE_OPTION,
 ) -> None:
     """Run a bootstrap node: a stable entry point that announces the run (signed) to everyone who joins."""
@@ -184,8 +190,8 @@ def bootstrap(
     from hetero_node.client.run_definition import data_source_name
     from hetero_node.client.run_setup import prepare_run
 
-    configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, config)
-    run, _store = prepare_run(configs["run"], configs["outer"], configs["optim"], configs["sparseloco"])
+    configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    run, _store = prepare_run(*configs.values())
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
@@ -204,6 +210,7 @@ def join(
     outer: OuterConfig,
     optim: OptimConfig,
     sparseloco: SparseLoCoConfig,
+    pipeline: PipelineConfig,
     node: NodeConfig,
     timeouts: SyncTimeouts,
     config: Path | None = RUN_FILE_OPTION,
@@ -223,7 +230,7 @@ def join(
         raise ConfigError(f"--stage {stage}: give a stage index ≥ 0 together with --role stage or auto")
     peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
     node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
-    configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, config)
+    configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     if quiet:
         run_node(configs, explicit, node, timeouts, role.value, stage, on_status=lambda _: None)
         return
@@ -231,8 +238,9 @@ def join(
 
         def show(record: RoundRecord) -> None:
             rate = record.tokens / max(record.compute_s + record.comm_s, 1e-9)
+            loss = "-" if record.train_loss is None else f"{record.train_loss:.3f}"
             status_line.update(
-                f"round {record.round + 1}  loss {record.train_loss:.3f}  "
+                f"round {record.round + 1}  loss {loss}  "
                 f"{rate:,.0f} tokens/s  {record.bytes_sent:,} bytes/round  group {record.group_size}"
             )
 

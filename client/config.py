@@ -126,8 +126,12 @@ class SyncTimeouts:
     )
     round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
     fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})
+    stage_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "A pipeline stage that hears nothing from its neighbours this long gives up the round."},
+    )
 
     def __post_init__(self) -> None:
-        require_positive(self, "matchmaking_s", "round_timeout_s", "fetch_timeout_s")
+        require_positive(self, "matchmaking_s", "round_timeout_s", "fetch_timeout_s", "stage_timeout_s")
         if not 0 <= self.straggler_fraction <= 1:
             raise ConfigError(f"--straggler-fraction must be in [0, 1], got {self.straggler_fraction}")

@@ -16,17 +16,19 @@ from typing import Any
 
 import torch
 
-from hetero_node.client.checkpoint import from_bytes, load_checkpoint, save_checkpoint, to_bytes
+from hetero_node.client.checkpoint import load_checkpoint, save_checkpoint
 from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.membership import Membership
 from hetero_node.client.metrics import MetricsWriter, RoundRecord
 from hetero_node.client.outer_sync import ShardOutcome, ShardSync
-from hetero_node.client.planner import ROLE_FULL
+from hetero_node.client.shard_state import FIXED, ShardStates, state_fingerprint
 from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.swarm_view import expected_group_size, full_replicas, replica_count
 from hetero_node.client.trainer import InnerTrainer, resolve_device
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
+from hetero_node.models.subspace import drift_transfer_, enable_subspace, subspace_basis
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.errors import CheckpointError, HeteroNodeError, PayloadError
 from hetero_node.protocol.run_config import RunConfig
@@ -53,6 +55,10 @@ class FullReplica:
         self.model = Transformer(model_cfg, seed=run.seed).to(self.device)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.shard_names = shard_parameter_names(model_cfg, run.outer.stages)
+        self.basis = None
+        if run.uses_subspace:  # embedding = T_fixed + E_S, as on the virtual replicas (the FR stays unconstrained)
+            self.basis = subspace_basis(model_cfg.d_model, run.pipeline.rank(model_cfg.d_model), run.seed)
+            enable_subspace(self.model, self.basis.to(self.device))
         self.trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, self.device)
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
         self.stop = membership.stop
@@ -68,7 +74,9 @@ class FullReplica:
         return [[p.detach().clone() for p in self.shard_params(s)] for s in range(len(self.syncs))]
 
     def shard_fingerprints(self) -> dict[str, str]:
-        return {str(s): fingerprint(self.shard_params(s)) for s in range(len(self.shard_names))}
+        fixed = self.model.embed_fixed
+        fps = {str(s): state_fingerprint(self.shard_params(s), fixed) for s in range(len(self.shard_names))}
+        return fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
 
     @torch.no_grad()
     def set_shard(self, shard: int, tensors: list[torch.Tensor]) -> None:
@@ -83,7 +91,7 @@ class FullReplica:
     def _replica_records(self, timeout: float = 5.0) -> dict[str, dict[str, Any]] | None:
         """Records of the run's full replicas (None: the DHT did not answer)."""
         records = self.runtime.read_records(timeout)
-        return None if records is None else {pid: r for pid, r in records.items() if r["role"] == ROLE_FULL}
+        return None if records is None else full_replicas(records)
 
     def _install_signal_handlers(self) -> None:
         """Ctrl-C / SIGTERM end the run after the current step; hivemind's averager ignores SIGINT otherwise."""
@@ -104,6 +112,11 @@ class FullReplica:
             self.syncs = [
                 ShardSync(self.runtime, self.run_cfg, s, shapes[s], self.timeouts) for s in range(len(shapes))
             ]
+            fixed = self.model.embed_fixed
+            self.states = ShardStates(
+                self.runtime, dict(enumerate(shapes)), None if fixed is None else tuple(fixed.shape),
+                self.timeouts.fetch_timeout_s,
+            )  # fmt: skip
             self._install_signal_handlers()
             replica_id = self.node.replica_id
             if replica_id < 0:
@@ -167,7 +180,7 @@ class FullReplica:
         self._announce(self.shard_fingerprints())
         deadline = time.monotonic() + timeout_s
         while not self.stop.is_set():
-            online = len(self._replica_records() or {})
+            online = replica_count(self.runtime.read_records() or {}, self.run_cfg.outer.stages)
             if online >= self.node.min_peers:
                 return
             if time.monotonic() > deadline:
@@ -185,67 +198,23 @@ class FullReplica:
             self._load_from_peers(min_round=swarm_round)
 
     def _publish_state(self) -> None:
-        for shard, sync in enumerate(self.syncs):
-            state: dict[str, Any] = {
-                "round": self.round,
-                "tensors": [t.detach().cpu() for t in self.shard_params(shard)],
-            }
-            if not sync.sparse:
-                state["momentum"] = sync.momentum
-            self.runtime.publish("state", shard, self.round, to_bytes(state))
+        momentum = None if self.syncs[0].sparse else {s: sync.momentum for s, sync in enumerate(self.syncs)}
+        tensors = {s: self.shard_params(s) for s in range(len(self.syncs))}
+        self.states.publish(self.round, tensors, self.model.embed_fixed, momentum)
 
     def _load_from_peers(self, min_round: int, wait_s: float = 0.0) -> bool:
-        """Download every shard at round ≥ min_round from a peer whose advertised fingerprints it matches."""
-        deadline = time.monotonic() + wait_s
-        failed: set[tuple[str, int]] = set()  # a donor that failed for a round is not asked again for it
-        me = str(self.runtime.peer_id)
-        while True:
-            records = self._replica_records() or {}
-            donors = sorted(
-                (
-                    (rec["round"], pid)
-                    for pid, rec in records.items()
-                    if pid != me and rec.get("round", -1) >= min_round and (pid, rec["round"]) not in failed
-                ),
-                reverse=True,
-            )
-            for donor_round, donor in donors:
-                if self._download_state(donor, records[donor], donor_round):
-                    return True
-                failed.add((donor, donor_round))
-            if time.monotonic() >= deadline or self.stop.is_set():
-                return False
-            time.sleep(0.5)
-
-    def _download_state(self, donor: str, record: dict[str, Any], donor_round: int) -> bool:
-        from hivemind.p2p import PeerID
-
-        peer = PeerID.from_base58(donor)
-        states = []
-        try:
-            for shard, sync in enumerate(self.syncs):
-                max_size = 2 * sum(4 * p.numel() for p in self.shard_params(shard)) + (1 << 20)
-                round_, data = self.runtime.fetch(
-                    peer, "state", shard, donor_round, max_size, self.timeouts.fetch_timeout_s
-                )
-                state = from_bytes(data)
-                tensors = state["tensors"]
-                expected = [tuple(p.shape) for p in self.shard_params(shard)]
-                if [tuple(t.shape) for t in tensors] != expected or round_ != donor_round:
-                    raise PayloadError(f"state of shard {shard} has the wrong shapes or round")
-                if fingerprint(tensors) != record.get("fingerprints", {}).get(str(shard)):
-                    raise PayloadError(f"state of shard {shard} does not match the fingerprint {donor} advertised")
-                states.append((shard, sync, state))
-        except Exception as e:  # a bad donor is skipped, never trusted
-            logger.warning("could not load state from %s: %r", donor, e)
+        """Download every shard at round ≥ min_round from a full replica whose advertised fingerprints it matches."""
+        loaded = self.states.load(lambda: self._replica_records() or {}, min_round, wait_s, self.stop)
+        if loaded is None:
             return False
-        for shard, sync, state in states:
+        self.round, states = loaded
+        for shard, state in states.items():
             self.set_shard(shard, state["tensors"])
-            if "momentum" in state and not sync.sparse:
-                for m, saved in zip(sync.momentum, state["momentum"], strict=True):
+            if "momentum" in state and not self.syncs[shard].sparse:
+                for m, saved in zip(self.syncs[shard].momentum, state["momentum"], strict=True):
                     m.copy_(saved)
-        self.round = donor_round
-        logger.warning("loaded the swarm's state of round %d from %s", donor_round, donor)
+        if self.model.embed_fixed is not None:
+            self.model.embed_fixed.copy_(states[0][FIXED])
         return True
 
     # ------------------------------------------------------------------------------------------------- a round
@@ -284,6 +253,7 @@ class FullReplica:
         else:
             for shard, outcome in enumerate(outcomes):
                 self.set_shard(shard, outcome.new_tensors)
+            self._subspace_upkeep()
             self.round = t + 1
         comm_s = time.perf_counter() - comm_start
 
@@ -315,23 +285,23 @@ class FullReplica:
         self, t: int, start: list[list[torch.Tensor]], start_fps: dict[str, str], compute_s: float
     ) -> list[ShardOutcome]:
         """Run all shards' rounds concurrently: matchmaking for every shard starts before any result is awaited."""
-        records = self._replica_records()
-        if records is not None and set(records) <= {str(self.runtime.peer_id)}:  # nobody else is alive
+        records = self.runtime.read_records()
+        if records is not None and replica_count(records, len(self.syncs)) <= 1:  # no other replica is alive
             return self._solo_step(t, start, self._clone_shards())
         records = records or {}
-        expected = max(2, sum(1 for r in records.values() if r.get("round") == t))
         wait_s = max(self.timeouts.matchmaking_s, self.timeouts.straggler_fraction * compute_s)
         controls = []
         for shard, sync in enumerate(self.syncs):
             current = [p.detach() for p in self.shard_params(shard)]
             try:
+                expected = expected_group_size(records, t, shard, len(self.syncs))
                 controls.append(sync.begin(t, start[shard], current, start_fps[str(shard)], expected, wait_s))
             except PayloadError as e:
                 logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); skipping the round", t, shard, e)
                 controls.append(None)
 
         def swarm_moved_on() -> bool:
-            records = self._replica_records(timeout=1.0) or {}
+            records = self.runtime.read_records(timeout=1.0) or {}
             return any(r.get("round", -1) > t for r in records.values())
 
         return [
@@ -354,8 +324,14 @@ class FullReplica:
                 outcomes.append(ShardOutcome(new_tensors=[s.clone() for s in start[shard]]))
         for shard, outcome in enumerate(outcomes):
             self.set_shard(shard, outcome.new_tensors)
+        self._subspace_upkeep()
         self.round = t + 1
         return outcomes
+
+    def _subspace_upkeep(self) -> None:
+        """After our own outer step: move the embedding's drift into T_fixed, as every peer of the run does."""
+        if self.basis is not None and self.run_cfg.pipeline.drift_transfer:
+            drift_transfer_(self.model, self.basis.to(self.device))
 
     def _checkpoint_state(self) -> dict[str, Any]:
         return {

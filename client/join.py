@@ -25,6 +25,7 @@ from hetero_node.client.run_setup import prepare_run
 from hetero_node.client.swarm_runtime import PeerRuntime
 from hetero_node.client.trainer import resolve_device
 from hetero_node.models.paths import default_cache_dir
+from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,17 @@ def _initial_record(
     }
 
 
+def _role_for_run(run: RunConfig, requested_role: str) -> str:
+    """compress-all trains every replica as a virtual replica; a run without boundaries has no stages."""
+    if run.pipeline.activation_compression == "compress-all":
+        if requested_role == "full":
+            raise ConfigError("--role full: this run is compress-all, where every node serves a pipeline stage")
+        return "stage"
+    if run.outer.stages < 2 and requested_role == "stage":
+        raise ConfigError("--role stage: this run has one stage, so every node trains a full replica")
+    return requested_role
+
+
 def run_node(
     configs: dict[str, Any],
     explicit: set[str],
@@ -89,6 +101,7 @@ def run_node(
 ) -> None:
     """See the module docstring; blocks until the run ends or a signal asks the node to leave."""
     from hetero_node.client.full_replica import FullReplica  # after the cheap checks: torch-heavy
+    from hetero_node.client.stage_peer import StagePeer
 
     runtime = PeerRuntime(node.peers, node.host, node.port, node.identity)
     stop = threading.Event()
@@ -101,7 +114,8 @@ def run_node(
             run, store = adopt_announced_run(announcement, configs, explicit)
         else:
             logger.warning("no peer in --peers announces a run; using this node's own run options")
-            run, store = prepare_run(configs["run"], configs["outer"], configs["optim"], configs["sparseloco"])
+            run, store = prepare_run(*configs.values())
+        requested_role = _role_for_run(run, requested_role)
         runtime.join_run(run.run_id)
         on_status(f"run {run.run_id}: measuring this node")
         req = run_requirements(run)
@@ -115,10 +129,12 @@ def run_node(
             on_status(f"run {run.run_id}: full replica, joining the swarm")
             FullReplica(run, node, store, timeouts, runtime, membership).run(on_round)
         else:
-            vr, stage = membership.slot
-            on_status(f"run {run.run_id}: holding pipeline slot vr {vr} stage {stage}")
-            logger.warning("holding pipeline slot vr %d stage %d; this version does not run stages yet", vr, stage)
-            stop.wait()
+            while not stop.is_set():  # a stage peer whose slot is reassigned serves its new slot
+                vr, stage = membership.slot
+                on_status(f"run {run.run_id}: pipeline stage {stage} of virtual replica {vr}")
+                StagePeer(run, node, store, timeouts, runtime, membership).run(on_round)
+                if membership.slot == (vr, stage):
+                    break
     finally:
         if membership is not None:
             membership.close()

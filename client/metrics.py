@@ -15,7 +15,8 @@ class RoundRecord:
     round: int
     inner_steps: int
     tokens: int
-    train_loss: float
+    train_loss: float | None
+    """None on pipeline stages other than the last (the loss is computed there)."""
     eval_loss: float | None
     bytes_sent: int
     bytes_received: int
@@ -28,6 +29,11 @@ class RoundRecord:
     resynced: bool = False
     dense_allreduce_bytes: int = 0
     """What a dense fp32 butterfly all-reduce of the same weights would send per peer in this group."""
+    boundary_bytes_sent: int = 0
+    """Pipeline stages: bytes of the training messages this stage sent to its neighbours (as streamed)."""
+    boundary_bytes_received: int = 0
+    boundary_tokens: int = 0
+    """Tokens carried by the training messages this stage sent."""
 
 
 class MetricsWriter:

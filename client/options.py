@@ -33,7 +33,10 @@ def _field_parameters(config_type: type) -> list[inspect.Parameter]:
             default = field.default_factory()
         else:
             raise TypeError(f"{config_type.__name__}.{field.name} needs a default to become a CLI option")
-        option = typer.Option(default, _option_name(field.name), help=field.metadata.get("help", ""))
+        names = [_option_name(field.name)]
+        if hints[field.name] is bool:  # a flag that defaults to on needs its --no- form to be switched off
+            names = [f"{names[0]}/--no-{names[0][2:]}"]
+        option = typer.Option(default, *names, help=field.metadata.get("help", ""))
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hints[field.name])
         )

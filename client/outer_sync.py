@@ -261,12 +261,16 @@ class ShardSync:
 
     # ----------------------------------------------------------------------------------------- outer updates
 
-    def solo(self, start: list[Tensor], current: list[Tensor]) -> ShardOutcome:
-        """No one else is in this round: apply our own contribution with the same rule (a group of one)."""
+    def solo(self, start: list[Tensor], current: list[Tensor], update_from: list[Tensor] | None = None) -> ShardOutcome:
+        """No one else is in this round: apply our own contribution with the same rule (a group of one).
+
+        Δ = start − current; the update applies to `update_from` (default `start`; a virtual replica measures Δ
+        from its projected start but updates θ(t) itself, as every member of a group does)."""
+        base = start if update_from is None else update_from
         message = self._decode(self._encode([s - c for s, c in zip(start, current, strict=True)]))
         if not self.sparse:
-            return ShardOutcome(self._dense_update(start, message), 1, 1)
-        return ShardOutcome(self._sparse_update(start, aggregate([message], self.shapes).tensors), 1, 1)
+            return ShardOutcome(self._dense_update(base, message), 1, 1)
+        return ShardOutcome(self._sparse_update(base, aggregate([message], self.shapes).tensors), 1, 1)
 
     def _sparse_update(self, start: list[Tensor], aggregate_: list[Tensor]) -> list[Tensor]:
         """θ(t+1) = θ(t) − α·aggregate: plain SGD, the error feedback already plays the role of momentum."""

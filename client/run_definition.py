@@ -24,7 +24,14 @@ from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.keys import RUN_KEY_HANDLER
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import RunAnnouncement
-from hetero_node.protocol.run_config import PROTOCOL_VERSION, OptimConfig, OuterConfig, RunConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import (
+    PROTOCOL_VERSION,
+    OptimConfig,
+    OuterConfig,
+    PipelineConfig,
+    RunConfig,
+    SparseLoCoConfig,
+)
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -34,6 +41,7 @@ RUN_SECTIONS: dict[str, type] = {
     "outer": OuterConfig,
     "optim": OptimConfig,
     "sparseloco": SparseLoCoConfig,
+    "pipeline": PipelineConfig,
 }
 """`run.toml` tables and the config each fills; keys are the CLI option names with underscores."""
 LOCAL_RUN_OPTIONS = {"data", "tokenizer", "cache_dir"}
@@ -74,7 +82,9 @@ def apply_run_file(configs: dict[str, Any], run_file: dict[str, dict[str, Any]],
 
 def _explicit_conflicts(run: RunConfig, configs: dict[str, Any], explicit: set[str]) -> list[str]:
     """Explicit options whose value differs from the announced run's."""
-    announced = {"run": run, "outer": run.outer, "optim": run.optim, "sparseloco": run.sparseloco}
+    announced = {
+        "run": run, "outer": run.outer, "optim": run.optim, "sparseloco": run.sparseloco, "pipeline": run.pipeline,
+    }  # fmt: skip
     conflicts = []
     for section, config in configs.items():
         for f in dataclasses.fields(config):
@@ -115,7 +125,7 @@ def adopt_announced_run(
         configs["run"], preset=run.preset, batch_size=run.batch_size, seq_len=run.seq_len, seed=run.seed,
         data_shards=run.data_shards,
     )  # fmt: skip
-    mine, store = prepare_run(options, run.outer, run.optim, run.sparseloco)
+    mine, store = prepare_run(options, run.outer, run.optim, run.sparseloco, run.pipeline)
     differences = []
     if mine.tokenizer_identity != run.tokenizer_identity:
         differences.append(f"tokenizer identity {mine.tokenizer_identity} (the run's: {run.tokenizer_identity})")

@@ -133,6 +133,11 @@ class PeerRuntime:
             )
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The background loop P2P calls run on (for callers that start a call without waiting for it)."""
+        return self._loop
+
+    @property
     def visible_maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
 

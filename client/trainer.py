@@ -55,9 +55,6 @@ class InnerTrainer:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One AdamW step on a batch of token ids; returns the batch's mean cross-entropy."""
-        lr = cosine_lr(self.step, self.total_steps, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self.model.train()
         x, y = x.to(self.device), y.to(self.device)
         with autocast_context(self.device):
@@ -65,11 +62,22 @@ class InnerTrainer:
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.cfg.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.step += 1
+        self.optimizer_step()
         return loss.item()
+
+    def optimizer_step(self, clip_norm: float | None = None) -> None:
+        """Clip, step AdamW at the schedule's LR for this step, clear the gradients. A pipeline stage accumulates
+        its microbatches' gradients itself and calls this once per global batch; `clip_norm` (default: the
+        config's) is its share of the global clip."""
+        lr = cosine_lr(self.step, self.total_steps, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        clip = self.cfg.grad_clip if clip_norm is None else clip_norm
+        if clip > 0:
+            nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -197,14 +197,9 @@ def _read_values(data: bytes, fmt: BoundaryFormat, b: int, length: int) -> Tenso
     return values.view(b, length, fmt.width)
 
 
-def decode_activations(
-    fmt: BoundaryFormat, payload: bytes, U: Tensor | None = None, fixed_table: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(x (b, L, d) float32, tokens (b, L) int64, targets (b, L) int64) from a forward message.
-
-    On the device of U (of the CPU when dense). PayloadError, and no other exception, on any malformed message.
-    """
-    fmt.check_tensors(U, fixed_table)
+def parse_activations(fmt: BoundaryFormat, payload: bytes) -> tuple[Tensor, Tensor, Tensor]:
+    """(values (b, L, w) float32 on the CPU, tokens (b, L), targets (b, L) int64): every check `decode_activations`
+    makes, without U or T_fixed, so a receiver can refuse a bad message before it is its turn to expand it."""
     data, b, length = _read(payload, fmt, FORWARD)
     values = _read_values(data, fmt, b, length)
     id_dtype = _ID_DTYPES[id_code(fmt.vocab_size)]
@@ -213,12 +208,30 @@ def decode_activations(
     if window.min() < 0 or window.max() >= fmt.vocab_size:
         raise PayloadError(f"boundary message holds token ids outside [0, {fmt.vocab_size})")
     window = torch.from_numpy(window).view(b, length + 1)
-    tokens, targets = window[:, :-1].contiguous(), window[:, 1:].contiguous()
+    return values, window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def expand_activations(
+    values: Tensor, tokens: Tensor, U: Tensor | None = None, fixed_table: Tensor | None = None
+) -> Tensor:
+    """Hidden states x = U c + T_fixed[tok] (or the dense values) on U's device, from `parse_activations`."""
     if U is None:
-        return values, tokens, targets
+        return values
     u = U.to(torch.float32)
-    x = values.to(u.device) @ u.T + fixed_table[tokens.to(fixed_table.device)].to(u.device, torch.float32)
-    return x, tokens.to(u.device), targets.to(u.device)
+    return values.to(u.device) @ u.T + fixed_table[tokens.to(fixed_table.device)].to(u.device, torch.float32)
+
+
+def decode_activations(
+    fmt: BoundaryFormat, payload: bytes, U: Tensor | None = None, fixed_table: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(x (b, L, d) float32, tokens (b, L) int64, targets (b, L) int64) from a forward message.
+
+    On the device of U (of the CPU when dense). PayloadError, and no other exception, on any malformed message.
+    """
+    fmt.check_tensors(U, fixed_table)
+    values, tokens, targets = parse_activations(fmt, payload)
+    device = values.device if U is None else U.device
+    return expand_activations(values, tokens, U, fixed_table), tokens.to(device), targets.to(device)
 
 
 def encode_gradients(fmt: BoundaryFormat, g: Tensor, U: Tensor | None = None) -> bytes:
@@ -232,6 +245,23 @@ def encode_gradients(fmt: BoundaryFormat, g: Tensor, U: Tensor | None = None) ->
     return _header(fmt, BACKWARD, b, length) + _values_bytes(values, fmt.wire)
 
 
+def parse_gradients(fmt: BoundaryFormat, payload: bytes, batch: int, seq_len: int) -> Tensor:
+    """The values (b, L, w) float32 of a backward message answering a (batch, seq_len) microbatch; every check
+    `decode_gradients` makes, without U."""
+    data, b, length = _read(payload, fmt, BACKWARD)
+    if (b, length) != (batch, seq_len):
+        raise PayloadError(f"gradient message for batch {b} × seq_len {length}, expected {batch} × {seq_len}")
+    return _read_values(data, fmt, b, length)
+
+
+def expand_gradients(values: Tensor, U: Tensor | None = None) -> Tensor:
+    """The gradient U g_c (or g) on U's device, from `parse_gradients`."""
+    if U is None:
+        return values
+    u = U.to(torch.float32)
+    return values.to(u.device) @ u.T
+
+
 def decode_gradients(fmt: BoundaryFormat, payload: bytes, batch: int, seq_len: int, U: Tensor | None = None) -> Tensor:
     """The gradient (b, L, d) float32 for the hidden states this stage sent: U g_c (or g), on U's device.
 
@@ -239,11 +269,4 @@ def decode_gradients(fmt: BoundaryFormat, payload: bytes, batch: int, seq_len: i
     and no other exception, on any malformed message.
     """
     fmt.check_tensors(U, need_table=False)
-    data, b, length = _read(payload, fmt, BACKWARD)
-    if (b, length) != (batch, seq_len):
-        raise PayloadError(f"gradient message for batch {b} × seq_len {length}, expected {batch} × {seq_len}")
-    values = _read_values(data, fmt, b, length)
-    if U is None:
-        return values
-    u = U.to(torch.float32)
-    return values.to(u.device) @ u.T
+    return expand_gradients(parse_gradients(fmt, payload, batch, seq_len), U)

@@ -37,3 +37,8 @@ def shard_group_prefix(run_id: str, shard: int) -> str:
 def blob_handler_name(run_id: str) -> str:
     """P2P stream handler that serves a peer's round payloads and shard states."""
     return f"{KEY_PREFIX}.{run_id}.blob"
+
+
+def stage_handler_name(run_id: str) -> str:
+    """P2P stream handler a stage peer receives its virtual replica's pipeline messages on."""
+    return f"{KEY_PREFIX}.{run_id}.stage"

@@ -59,7 +59,7 @@ class PeerRecord(pydantic.BaseModel):
     vr: conint(strict=True, ge=-1, le=1_000_000)  # type: ignore[valid-type]
     round: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
     loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
-    fingerprints: dict[constr(strict=True, regex=r"^\d{1,4}$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
+    fingerprints: dict[constr(strict=True, regex=r"^(\d{1,4}|fixed)$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
     view: constr(strict=True, max_length=32)  # type: ignore[valid-type]
     refresh_s: confloat(strict=True, gt=0, le=3600)  # type: ignore[valid-type]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from hetero_node.protocol.errors import ConfigError, require_positive
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64
@@ -26,6 +26,8 @@ MAX_CHUNK = 64
 
 OUTER_METHODS = ("sparseloco", "diloco")
 DILOCO_WIRE_DTYPES = ("fp32", "fp16")
+ACTIVATION_COMPRESSION = ("subspace", "none", "compress-all")
+BOUNDARY_WIRE_DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,51 @@ class OuterConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Virtual replicas: how pipeline stages split a batch and what crosses a stage boundary."""
+
+    activation_compression: str = field(
+        default="subspace",
+        metadata={
+            "help": "subspace (virtual replicas compress, full replicas do not), none (dense boundaries), "
+            "or compress-all (every replica is a compressed virtual replica)."
+        },
+    )
+    subspace_rank: int = field(default=0, metadata={"help": "Boundary rank k (0: d_model/8)."})
+    boundary_wire: str = field(default="bf16", metadata={"help": "Boundary wire dtype: bf16, fp16 or fp32."})
+    microbatches: int = field(default=4, metadata={"help": "Microbatches per inner step in flight through a pipeline."})
+    project_start: bool = field(
+        default=True, metadata={"help": "A virtual replica projects its start point into the subspace each round."}
+    )
+    drift_transfer: bool = field(
+        default=True, metadata={"help": "Move the embedding's off-subspace drift into the fixed table each round."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.activation_compression not in ACTIVATION_COMPRESSION:
+            raise ConfigError(
+                f"--activation-compression must be one of {', '.join(ACTIVATION_COMPRESSION)}, "
+                f"got {self.activation_compression!r}"
+            )
+        if self.boundary_wire not in BOUNDARY_WIRE_DTYPES:
+            raise ConfigError(
+                f"--boundary-wire must be one of {', '.join(BOUNDARY_WIRE_DTYPES)}, got {self.boundary_wire!r}"
+            )
+        if self.subspace_rank < 0:
+            raise ConfigError(f"--subspace-rank must be ≥ 0 (0: d_model/8), got {self.subspace_rank}")
+        require_positive(self, "microbatches")
+
+    @property
+    def compressed(self) -> bool:
+        """Boundaries carry the subspace code (and every replica keeps the fixed token table)."""
+        return self.activation_compression != "none"
+
+    def rank(self, d_model: int) -> int:
+        """The boundary rank for a model of width d_model: the configured k, or d/8."""
+        return self.subspace_rank or max(1, d_model // 8)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything peers of one run agree on; see the module docstring."""
 
@@ -111,7 +158,13 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     protocol_version: int = PROTOCOL_VERSION
+
+    @property
+    def uses_subspace(self) -> bool:
+        """Every peer keeps T_fixed + E_S and the drift upkeep: a compressed run with pipeline boundaries."""
+        return self.pipeline.compressed and self.outer.stages > 1
 
     @property
     def total_inner_steps(self) -> int:
@@ -123,7 +176,9 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """Rebuild a config a peer sent (a bootstrap's announcement); anything malformed is a ConfigError."""
-        nested = {"outer": OuterConfig, "optim": OptimConfig, "sparseloco": SparseLoCoConfig}
+        nested = {
+            "outer": OuterConfig, "optim": OptimConfig, "sparseloco": SparseLoCoConfig, "pipeline": PipelineConfig,
+        }  # fmt: skip
         try:
             fields = {k: (nested[k](**v) if k in nested else v) for k, v in data.items()}
             run = cls(**fields)
@@ -146,7 +201,7 @@ def _check_field_types(config: Any, path: str = "") -> None:
         value, hint = getattr(config, f.name), hints[f.name]
         if dataclasses.is_dataclass(value):
             _check_field_types(value, f"{path}{f.name}.")
-        elif hint in (int, str) and (type(value) is not hint):
+        elif hint in (int, str, bool) and (type(value) is not hint):
             raise ConfigError(f"malformed run config: {path}{f.name} should be {hint.__name__}, got {value!r}")
         elif hint is float and (type(value) not in (int, float)):
             raise ConfigError(f"malformed run config: {path}{f.name} should be a number, got {value!r}")

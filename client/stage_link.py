@@ -1,0 +1,210 @@
+"""Pipeline messages between the stages of a virtual replica, over hivemind P2P streams.
+
+A message is a boundary-codec byte string (`protocol/boundary_codec.py`) plus a header (`StagePiece` in
+`protocol/wire.proto`): kind, virtual replica, receiving stage, round, inner step, microbatch. The sender streams
+it in pieces below libp2p's message cap and waits for the receiver's `StageAck`. The receiver checks everything
+before accepting: the sender is the neighbour the plan gives it, the header names this stage, its current round
+and an inner step and microbatch that exist and have not arrived yet, and the payload parses (sizes, dtype,
+shape, finite values, token range). A message that fails any check is answered with an error, which the
+sender's call raises, and never reaches the stage's state; accepted ones queue until the stage's worker takes
+them, decoded against the fixed table of the moment it takes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hetero_node.client.swarm_runtime import BLOB_PIECE_BYTES, PeerRuntime
+from hetero_node.protocol import boundary_codec as codec
+from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.keys import stage_handler_name
+from hetero_node.protocol.proto_build import load_proto_module
+
+logger = logging.getLogger(__name__)
+wire = load_proto_module("wire")
+
+FORWARD, BACKWARD, EVAL = 0, 1, 2
+KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", EVAL: "eval"}
+MAX_EVAL_BATCHES = 64
+MAX_QUEUED = 256
+"""Accepted messages waiting for the worker; a sender that floods a stage is refused beyond this."""
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    vr: int
+    stage: int
+    round: int
+    step: int
+    microbatch: int
+    count: int = 0
+
+
+@dataclass
+class StageMessage:
+    """An accepted message, parsed but not yet expanded (T_fixed may change before the worker takes it)."""
+
+    header: Header
+    values: Tensor | None
+    tokens: Tensor | None
+    targets: Tensor | None
+    wire_bytes: int
+
+
+@dataclass
+class Expectation:
+    """What the receiving stage accepts right now; set by its worker."""
+
+    vr: int = -1
+    stage: int = -1
+    round: int = -1
+    previous: str | None = None
+    next: str | None = None
+
+
+class StageInbox:
+    """The receiving side: the handler validates and queues, the worker takes (see the module docstring)."""
+
+    def __init__(
+        self, fmt: codec.BoundaryFormat, inner_steps: int, microbatch_sizes: list[int], seq_len: int, batch_size: int
+    ) -> None:
+        self.fmt, self.inner_steps, self.sizes, self.seq_len = fmt, inner_steps, microbatch_sizes, seq_len
+        self.batch_size = batch_size  # eval batches travel whole
+        self.expect = Expectation()
+        self._queue: list[StageMessage] = []
+        self._seen: set[Header] = set()
+        self._cond = threading.Condition()
+        self.rejected = 0
+
+    def expect_round(self, expectation: Expectation) -> None:
+        """Accept messages for this (vr, stage, round) from these neighbours only; drop what is queued for others."""
+        with self._cond:
+            self.expect = expectation
+            self._queue = [m for m in self._queue if self._matches_expectation(m.header)]
+            self._seen = {h for h in self._seen if h.round == expectation.round}
+
+    def _matches_expectation(self, h: Header) -> bool:
+        return (h.vr, h.stage, h.round) == (self.expect.vr, self.expect.stage, self.expect.round)
+
+    async def handle(self, requests: AsyncIterator[Any], context: Any) -> Any:
+        """P2P handler: receive one streamed message; raise (the sender gets the error) unless it is acceptable."""
+        first, pieces, received, wire_bytes = None, [], 0, 0
+        async for piece in requests:
+            wire_bytes += piece.ByteSize()
+            if first is None:
+                first = piece
+                if piece.total_size > self._max_bytes():
+                    raise PayloadError(f"stage message of {piece.total_size} bytes exceeds {self._max_bytes()}")
+            received += len(piece.data)
+            if received > first.total_size:
+                raise PayloadError("stage message longer than its announced size")
+            pieces.append(piece.data)
+        if first is None or received != first.total_size:
+            raise PayloadError("truncated stage message")
+        header = Header(first.kind, first.vr, first.stage, first.round, first.step, first.microbatch, first.count)
+        try:
+            message = self._accept(header, b"".join(pieces), str(context.remote_id), wire_bytes)
+        except PayloadError as e:
+            self.rejected += 1
+            logger.warning("rejected a %s message from %s: %s", KIND_NAMES.get(header.kind, "?"), context.remote_id, e)
+            raise
+        with self._cond:
+            if not self._matches_expectation(header) or header in self._seen:  # the round moved on meanwhile
+                raise PayloadError(f"stage moved on from round {header.round}")
+            self._seen.add(header)
+            self._queue.append(message)
+            self._cond.notify_all()
+        return wire.StageAck()
+
+    def _max_bytes(self) -> int:
+        return self.fmt.message_bytes(codec.FORWARD, self.batch_size, self.seq_len)
+
+    def _accept(self, h: Header, payload: bytes, sender: str, wire_bytes: int) -> StageMessage:
+        expect = self.expect
+        if h.kind not in KIND_NAMES:
+            raise PayloadError(f"unknown message kind {h.kind}")
+        neighbour = expect.next if h.kind == BACKWARD else expect.previous
+        if sender != neighbour:
+            raise PayloadError(f"{sender} is not this stage's {'next' if h.kind == BACKWARD else 'previous'} stage")
+        if not self._matches_expectation(h):
+            raise PayloadError(
+                f"message for vr {h.vr} stage {h.stage} round {h.round}; this is vr {expect.vr} stage "
+                f"{expect.stage} in round {expect.round}"
+            )
+        if h.kind == EVAL:
+            if not (h.step == 0 and 0 <= h.count <= MAX_EVAL_BATCHES and (h.microbatch < h.count or h.count == 0)):
+                raise PayloadError(f"eval batch {h.microbatch} of {h.count} at step {h.step}")
+        elif not (h.step < self.inner_steps and h.microbatch < len(self.sizes)):
+            limits = f"{self.inner_steps} × {len(self.sizes)}"
+            raise PayloadError(f"step {h.step} / microbatch {h.microbatch} outside {limits}")
+        with self._cond:
+            if h in self._seen:
+                raise PayloadError("duplicate message")
+            if len(self._queue) >= MAX_QUEUED:
+                raise PayloadError("too many messages waiting")
+        if h.kind == EVAL and h.count == 0:
+            if payload:
+                raise PayloadError("an empty eval pass carries no payload")
+            return StageMessage(h, None, None, None, wire_bytes)
+        if h.kind == BACKWARD:
+            values = codec.parse_gradients(self.fmt, payload, self.sizes[h.microbatch], self.seq_len)
+            return StageMessage(h, values, None, None, wire_bytes)
+        values, tokens, targets = codec.parse_activations(self.fmt, payload)
+        batch = self.sizes[h.microbatch] if h.kind == FORWARD else tokens.shape[0]
+        if tuple(tokens.shape) != (batch, self.seq_len) or batch > self.batch_size:
+            raise PayloadError(f"{KIND_NAMES[h.kind]} batch of shape {tuple(tokens.shape)}")
+        return StageMessage(h, values, tokens, targets, wire_bytes)
+
+    def take(self, match: Callable[[Header], bool], timeout: float, keep: bool = False) -> StageMessage | None:
+        """The oldest queued message whose header matches (left queued with `keep`), waiting up to `timeout`;
+        None if none came."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for i, message in enumerate(self._queue):
+                    if match(message.header):
+                        return message if keep else self._queue.pop(i)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+
+class StageSender:
+    """The sending side: stream a message to a neighbour in the background, counting the bytes sent."""
+
+    def __init__(self, runtime: PeerRuntime, run_id: str) -> None:
+        self.runtime, self.handler = runtime, stage_handler_name(run_id)
+
+    def send(self, peer: str, header: Header, payload: bytes) -> tuple[concurrent.futures.Future, int]:
+        """Start sending; (a future that raises if the receiver rejected the message or could not be reached,
+        the bytes the pieces take on the stream)."""
+        from hivemind.p2p import PeerID
+
+        chunks = [payload[i : i + BLOB_PIECE_BYTES] for i in range(0, len(payload), BLOB_PIECE_BYTES)] or [b""]
+        pieces = [wire.StagePiece(data=chunks[0], total_size=len(payload), **header.__dict__)]
+        pieces += [wire.StagePiece(data=chunk) for chunk in chunks[1:]]
+
+        async def stream() -> AsyncIterator[Any]:
+            for piece in pieces:
+                yield piece
+
+        call = self.runtime.p2p.call_protobuf_handler(PeerID.from_base58(peer), self.handler, stream(), wire.StageAck)
+        future = asyncio.run_coroutine_threadsafe(call, self.runtime.loop)
+        return future, sum(piece.ByteSize() for piece in pieces)
+
+
+def microbatch_sizes(batch_size: int, microbatches: int) -> list[int]:
+    """Sizes of `torch.tensor_split(batch, microbatches)`: what every stage expects per microbatch."""
+    return [len(part) for part in torch.tensor_split(torch.arange(batch_size), microbatches)]
