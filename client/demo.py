@@ -1,4 +1,5 @@
-"""`hetero-node demo`: a bootstrap and N full replicas on 127.0.0.1, a live table, a summary and a JSON report.
+"""`hetero-node demo`: a bootstrap, full replicas and virtual replicas (pipeline-stage peers) on 127.0.0.1, a live
+table, a summary and a JSON report.
 
 Every peer is a real `hetero-node join` process talking through hivemind; this module only starts them, tails
 their metrics files and summarises. The report's keys are stable (benchmarks read them).
@@ -20,7 +21,7 @@ from rich.table import Table
 
 from hetero_node.client.local_swarm import LocalSwarm
 from hetero_node.client.metrics import read_metrics
-from hetero_node.protocol.errors import HeteroNodeError, require_positive
+from hetero_node.protocol.errors import ConfigError, HeteroNodeError, require_positive
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,17 @@ class DemoConfig:
     """The local swarm to run; the defaults take a few minutes on a 2-core laptop."""
 
     preset: str = field(default="small", metadata={"help": "Model preset: tiny or small (bigger ones need a GPU)."})
-    full: int = field(default=3, metadata={"help": "Number of full replicas."})
+    full: int = field(default=2, metadata={"help": "Number of full replicas."})
+    virtual: int = field(default=1, metadata={"help": "Number of virtual replicas (one stage peer per stage each)."})
     rounds: int = field(default=6, metadata={"help": "Outer rounds to run."})
     inner_steps: int = field(default=30, metadata={"help": "H: inner steps per round."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per inner step, per replica."})
     seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
-    stages: int = field(default=2, metadata={"help": "Parameter shards (one averaging group each)."})
+    stages: int = field(default=2, metadata={"help": "Pipeline stages = parameter shards (one averaging group each)."})
+    activation_compression: str = field(
+        default="subspace", metadata={"help": "Virtual replicas' boundaries: subspace, none, or compress-all."}
+    )
+    subspace_rank: int = field(default=0, metadata={"help": "Boundary rank k (0: d_model/8)."})
     outer: str = field(default="sparseloco", metadata={"help": "sparseloco, or diloco for the dense baseline."})
     diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
     lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate."})
@@ -43,7 +49,21 @@ class DemoConfig:
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "full", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr")
+        require_positive(self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr")
+        if self.full < 0 or self.virtual < 0 or self.full + self.virtual < 1:
+            raise ConfigError(f"--full {self.full} --virtual {self.virtual}: the swarm needs at least one replica")
+        if self.virtual and self.stages < 2:
+            raise ConfigError("--virtual needs --stages ≥ 2: a virtual replica is a pipeline of stages")
+        if self.activation_compression == "compress-all" and self.full:
+            raise ConfigError(
+                "--activation-compression compress-all trains every replica as a virtual replica: --full 0"
+            )
+
+    @property
+    def peers(self) -> list[str]:
+        """Process names: replica0.., then vr0-stage0, vr0-stage1, ..."""
+        stages = [f"vr{v}-stage{s}" for v in range(self.virtual) for s in range(self.stages)]
+        return [f"replica{i}" for i in range(self.full)] + stages
 
 
 def run_args(cfg: DemoConfig) -> list[str]:
@@ -53,26 +73,36 @@ def run_args(cfg: DemoConfig) -> list[str]:
         "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--stages", str(cfg.stages),
         "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
         "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
+        "--activation-compression", cfg.activation_compression, "--subspace-rank", str(cfg.subspace_rank),
     ]  # fmt: skip
 
 
-def replica_args(cfg: DemoConfig, peers: str, index: int, workdir: Path) -> list[str]:
-    """The `hetero-node join` command line of replica `index`: only node options, as a volunteer would type."""
+def peer_args(cfg: DemoConfig, peers: str, name: str, workdir: Path) -> list[str]:
+    """The `hetero-node join` command line of peer `name`: only node options, as a volunteer would type. Stage
+    peers pin their stage, so the planner fills one virtual replica after another."""
+    index = cfg.peers.index(name)
+    if name.startswith("replica"):
+        role = ["--role", "full", "--checkpoint-dir", str(workdir / f"{name}.ckpt")]
+    else:
+        role = ["--role", "stage", "--stage", name.rsplit("stage", 1)[1]]
     return [
-        "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
-        "--metrics", str(workdir / f"replica{index}.jsonl"),
-        "--checkpoint-dir", str(workdir / f"replica{index}.ckpt"), "--min-peers", str(cfg.full), "--quiet",
+        "join", "--peers", peers, *role, "--replica-id", str(index), "--metrics", str(workdir / f"{name}.jsonl"),
+        "--min-peers", str(cfg.full + cfg.virtual), "--quiet",
     ]  # fmt: skip
 
 
 def build_report(metrics_files: list[Path]) -> dict[str, Any]:
     """The demo/benchmark report: run settings plus every peer's per-round records."""
+    from hetero_node.models.config import get_preset  # the CLI imports this module; keep --help instant
+
     peers, run = [], {}
     for path in metrics_files:
         header, rounds = read_metrics(path)
         if not header:
             continue
         settings = header["run"]
+        model = get_preset(settings["preset"], vocab_size=settings["vocab_size"])
+        pipeline = settings["pipeline"]
         run = {
             "preset": settings["preset"],
             "n_params": header["n_params"],
@@ -82,6 +112,11 @@ def build_report(metrics_files: list[Path]) -> dict[str, Any]:
             "batch_size": settings["batch_size"],
             "seq_len": settings["seq_len"],
             "sparseloco": settings["sparseloco"],
+            "d_model": model.d_model,
+            "subspace_rank": pipeline["subspace_rank"] or max(1, model.d_model // 8),
+            "activation_compression": pipeline["activation_compression"],
+            "boundary_wire": pipeline["boundary_wire"],
+            "vocab_size": settings["vocab_size"],
         }
         peers.append(
             {
@@ -89,7 +124,7 @@ def build_report(metrics_files: list[Path]) -> dict[str, Any]:
                 "role": header["role"],
                 "stage": header["stage"],
                 "vr": header["vr"],
-                "replica_id": header["replica_id"],
+                "replica_id": header.get("replica_id"),
                 "rounds": rounds,
             }
         )
@@ -102,9 +137,10 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if not rounds:
         raise HeteroNodeError("no replica completed a round; see the logs in the demo's work directory")
     evals = sorted((r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None)
-    by_round: dict[int, set[str]] = {}
+    by_round: dict[int, dict[str, set[str]]] = {}  # round → shard (or "fixed") → fingerprints peers hold
     for r in rounds:
-        by_round.setdefault(r["round"], set()).add(json.dumps(r["fingerprints"], sort_keys=True))
+        for key, value in r["fingerprints"].items():
+            by_round.setdefault(r["round"], {}).setdefault(key, set()).add(value)
     sent = statistics.mean(r["bytes_sent"] for r in rounds)
     dense = (
         statistics.mean(r["dense_allreduce_bytes"] for r in rounds if r["dense_allreduce_bytes"])
@@ -119,26 +155,51 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "compression_vs_dense": dense / sent if sent else None,
         "compute_s_per_round": statistics.mean(r["compute_s"] for r in rounds),
         "comm_s_per_round": statistics.mean(r["comm_s"] for r in rounds),
-        "rounds_with_agreeing_fingerprints": sum(1 for v in by_round.values() if len(v) == 1),
+        "rounds_with_agreeing_fingerprints": sum(
+            1 for shards in by_round.values() if all(len(fps) == 1 for fps in shards.values())
+        ),
         "rounds": len(by_round),
+        **_boundary_summary(report),
     }
 
 
+def _boundary_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Pipeline traffic per token a virtual replica trains (all boundaries, both directions), measured on the
+    stream, next to the codec's figure for dense boundaries at the same wire dtype."""
+    from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, boundary_bytes_per_token
+
+    stage_rounds = [r for p in report["peers"] if p["role"] == "stage" for r in p["rounds"]]
+    trained = sum(r["tokens"] for p in report["peers"] if p["role"] == "stage" and p["stage"] == 0 for r in p["rounds"])
+    if not trained:
+        return {}
+    run = report["run"]
+    id_bytes = 2 if run["vocab_size"] <= 1 << 16 else 4
+    dense = (run["stages"] - 1) * sum(
+        boundary_bytes_per_token(run["d_model"], run["boundary_wire"], d, id_bytes) for d in (FORWARD, BACKWARD)
+    )
+    measured = sum(r["boundary_bytes_sent"] for r in stage_rounds) / trained
+    return {"boundary_bytes_per_token": measured, "boundary_bytes_per_token_dense": dense}
+
+
 def _live_table(report: dict[str, Any], cfg: DemoConfig) -> Table:
-    table = Table(title=f"hetero-node demo: {cfg.full} full replicas, {cfg.preset}, {cfg.outer}, H={cfg.inner_steps}")
+    table = Table(
+        title=f"hetero-node demo: {cfg.full} full + {cfg.virtual} virtual replicas ({cfg.stages} stages), "
+        f"{cfg.preset}, {cfg.outer}, H={cfg.inner_steps}"
+    )
     for column in ("peer", "role", "round", "train loss", "eval loss", "tokens/s", "bytes/round", "fingerprint"):
         table.add_column(column)
     for peer in report["peers"]:
         last = peer["rounds"][-1] if peer["rounds"] else None
+        role = peer["role"] if peer["role"] != "stage" else f"vr {peer['vr']} stage {peer['stage']}"
         if last is None:
-            table.add_row(peer["peer_id"][-8:], peer["role"], "joining", "", "", "", "", "")
+            table.add_row(peer["peer_id"][-8:], role, "joining", "", "", "", "", "")
             continue
         seconds = last["compute_s"] + last["comm_s"]
         table.add_row(
             peer["peer_id"][-8:],
-            peer["role"],
+            role,
             f"{last['round'] + 1}/{cfg.rounds}",
-            f"{last['train_loss']:.3f}",
+            "" if last["train_loss"] is None else f"{last['train_loss']:.3f}",
             "" if last["eval_loss"] is None else f"{last['eval_loss']:.3f}",
             f"{last['tokens'] / seconds:,.0f}" if seconds else "",
             f"{last['bytes_sent']:,}",
@@ -150,14 +211,14 @@ def _live_table(report: dict[str, Any], cfg: DemoConfig) -> Table:
 def run_demo(cfg: DemoConfig, console: Console) -> dict[str, Any]:
     """Run the swarm to completion with a live table; returns the report (summary under "summary")."""
     workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="hetero-node-demo-"))
-    metrics = [workdir / f"replica{i}.jsonl" for i in range(cfg.full)]
+    metrics = [workdir / f"{name}.jsonl" for name in cfg.peers]
     console.print(f"[bold]work directory:[/] {workdir}  (logs, metrics, checkpoints)")
     started = time.monotonic()
     with LocalSwarm(workdir) as swarm, Live(console=console, refresh_per_second=2) as live:
         peers = swarm.start_bootstrap(run_args(cfg))
-        for i in range(cfg.full):
-            swarm.start(f"replica{i}", replica_args(cfg, peers, i, workdir))
-        running = [f"replica{i}" for i in range(cfg.full)]
+        for name in cfg.peers:
+            swarm.start(name, peer_args(cfg, peers, name, workdir))
+        running = list(cfg.peers)
         while running:
             live.update(_live_table(build_report(metrics), cfg))
             time.sleep(1.0)

@@ -38,6 +38,9 @@ KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", EVAL: "eval"}
 MAX_EVAL_BATCHES = 64
 MAX_QUEUED = 256
 """Accepted messages waiting for the worker; a sender that floods a stage is refused beyond this."""
+SETTLE_S = 5.0
+"""A message for our current or next round from a not-yet-known neighbour waits this long for the worker to catch
+up (it reads the records a moment after the sender did) before it is refused."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class Expectation:
     next: str | None = None
 
 
+def _slot(h: Header) -> tuple[int, int, int]:
+    """What makes a message unique within a round (the eval count is not: a batch is a batch)."""
+    return h.kind, h.step, h.microbatch
+
+
 class StageInbox:
     """The receiving side: the handler validates and queues, the worker takes (see the module docstring)."""
 
@@ -83,22 +91,58 @@ class StageInbox:
         self.batch_size = batch_size  # eval batches travel whole
         self.expect = Expectation()
         self._queue: list[StageMessage] = []
-        self._seen: set[Header] = set()
+        self._seen: set[tuple[int, int, int]] = set()  # (kind, step, microbatch) accepted in the expected round
         self._cond = threading.Condition()
         self.rejected = 0
 
     def expect_round(self, expectation: Expectation) -> None:
         """Accept messages for this (vr, stage, round) from these neighbours only; drop what is queued for others."""
         with self._cond:
+            if (expectation.vr, expectation.stage, expectation.round) != (
+                self.expect.vr, self.expect.stage, self.expect.round,
+            ):  # fmt: skip
+                self._seen = set()
             self.expect = expectation
             self._queue = [m for m in self._queue if self._matches_expectation(m.header)]
-            self._seen = {h for h in self._seen if h.round == expectation.round}
 
     def _matches_expectation(self, h: Header) -> bool:
         return (h.vr, h.stage, h.round) == (self.expect.vr, self.expect.stage, self.expect.round)
 
+    def _from_neighbour(self, h: Header, sender: str) -> bool:
+        return sender == (self.expect.next if h.kind == BACKWARD else self.expect.previous)
+
     async def handle(self, requests: AsyncIterator[Any], context: Any) -> Any:
         """P2P handler: receive one streamed message; raise (the sender gets the error) unless it is acceptable."""
+        sender = str(context.remote_id)
+        try:
+            header, payload, wire_bytes = await self._receive(requests)
+            deadline = time.monotonic() + SETTLE_S
+            while self._may_settle(header) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            message = self._accept(header, payload, sender, wire_bytes)
+        except PayloadError as e:
+            self.rejected += 1
+            logger.warning("rejected a stage message from %s: %s", sender, e)
+            raise
+        with self._cond:
+            if not self._matches_expectation(header) or _slot(header) in self._seen:  # moved on, or a race
+                self.rejected += 1
+                raise PayloadError(f"stage moved on from round {header.round}, or a duplicate")
+            self._seen.add(_slot(header))
+            self._queue.append(message)
+            self._cond.notify_all()
+        return wire.StageAck()
+
+    def _may_settle(self, h: Header) -> bool:
+        """The worker has not yet caught up with this message's round, or not yet learnt who sends it."""
+        expect = self.expect
+        neighbour = expect.next if h.kind == BACKWARD else expect.previous
+        return (expect.vr, expect.stage) in ((h.vr, h.stage), (-1, -1)) and (
+            h.round == expect.round + 1 or (h.round == expect.round and neighbour is None)
+        )
+
+    async def _receive(self, requests: AsyncIterator[Any]) -> tuple[Header, bytes, int]:
+        """(header, payload, bytes on the stream) of one streamed message, refusing oversized or torn ones."""
         first, pieces, received, wire_bytes = None, [], 0, 0
         async for piece in requests:
             wire_bytes += piece.ByteSize()
@@ -113,19 +157,7 @@ class StageInbox:
         if first is None or received != first.total_size:
             raise PayloadError("truncated stage message")
         header = Header(first.kind, first.vr, first.stage, first.round, first.step, first.microbatch, first.count)
-        try:
-            message = self._accept(header, b"".join(pieces), str(context.remote_id), wire_bytes)
-        except PayloadError as e:
-            self.rejected += 1
-            logger.warning("rejected a %s message from %s: %s", KIND_NAMES.get(header.kind, "?"), context.remote_id, e)
-            raise
-        with self._cond:
-            if not self._matches_expectation(header) or header in self._seen:  # the round moved on meanwhile
-                raise PayloadError(f"stage moved on from round {header.round}")
-            self._seen.add(header)
-            self._queue.append(message)
-            self._cond.notify_all()
-        return wire.StageAck()
+        return header, b"".join(pieces), wire_bytes
 
     def _max_bytes(self) -> int:
         return self.fmt.message_bytes(codec.FORWARD, self.batch_size, self.seq_len)
@@ -134,8 +166,7 @@ class StageInbox:
         expect = self.expect
         if h.kind not in KIND_NAMES:
             raise PayloadError(f"unknown message kind {h.kind}")
-        neighbour = expect.next if h.kind == BACKWARD else expect.previous
-        if sender != neighbour:
+        if not self._from_neighbour(h, sender):
             raise PayloadError(f"{sender} is not this stage's {'next' if h.kind == BACKWARD else 'previous'} stage")
         if not self._matches_expectation(h):
             raise PayloadError(
@@ -143,13 +174,15 @@ class StageInbox:
                 f"{expect.stage} in round {expect.round}"
             )
         if h.kind == EVAL:
-            if not (h.step == 0 and 0 <= h.count <= MAX_EVAL_BATCHES and (h.microbatch < h.count or h.count == 0)):
+            if not (h.step == 0 and 0 <= h.count <= MAX_EVAL_BATCHES and h.microbatch < max(h.count, 1)):
                 raise PayloadError(f"eval batch {h.microbatch} of {h.count} at step {h.step}")
+        elif h.count != 0:
+            raise PayloadError(f"a {KIND_NAMES[h.kind]} message carries no count, got {h.count}")
         elif not (h.step < self.inner_steps and h.microbatch < len(self.sizes)):
             limits = f"{self.inner_steps} × {len(self.sizes)}"
             raise PayloadError(f"step {h.step} / microbatch {h.microbatch} outside {limits}")
         with self._cond:
-            if h in self._seen:
+            if _slot(h) in self._seen:
                 raise PayloadError("duplicate message")
             if len(self._queue) >= MAX_QUEUED:
                 raise PayloadError("too many messages waiting")

@@ -22,6 +22,7 @@ from its shard group and waits for its VR to be whole again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -186,7 +187,8 @@ class StagePeer:
         finally:
             if self.sync is not None:
                 self.sync.shutdown()
-            self.runtime.run(self.runtime.p2p.remove_protobuf_handler(handler, stream_input=True))
+            with contextlib.suppress(Exception):  # p2pd may already be gone (a signal to the whole process group)
+                self.runtime.run(self.runtime.p2p.remove_protobuf_handler(handler, stream_input=True), timeout=5)
 
     # --------------------------------------------------------------------------------------- state & resync
 
@@ -235,10 +237,7 @@ class StagePeer:
             train_loss = self._inner_loop(t)
         except PipelineAborted as e:
             logger.error("vr %d round %d: %s; this virtual replica does not contribute this round", self.vr, t, e)
-            self.stage.reset()
-            self._set(start)
-            if not self._load(min_round=t + 1, wait_s=self.timeouts.round_timeout_s):
-                logger.warning("round %d: no peer reached round %d yet; waiting for the swarm", t, t + 1)
+            self._skip_round(t, start)
             return None
         compute_s = time.perf_counter() - compute_start
         if train_loss is not None:
@@ -247,10 +246,7 @@ class StagePeer:
         comm_start = time.perf_counter()
         outcome = self._outer_step(t, start, train_start, start_fp, compute_s)
         if outcome.new_tensors is None:
-            self._set(start)
-            if not self._load(min_round=t + 1, wait_s=self.timeouts.round_timeout_s):
-                logger.warning("round %d: could not load round %d from the swarm; retrying next round", t, t + 1)
-                return None
+            self._skip_round(t, start)
         else:
             self._set(outcome.new_tensors)
             if not self._subspace_upkeep(t + 1):
@@ -267,6 +263,18 @@ class StagePeer:
             boundary_bytes_sent=self.boundary["sent"], boundary_bytes_received=self.boundary["received"],
             boundary_tokens=self.boundary["tokens"],
         )  # fmt: skip
+
+    def _skip_round(self, t: int, start: list[torch.Tensor]) -> None:
+        """Leave round t without our contribution: θ(t+1) from the swarm, or θ(t) unchanged when nobody has it.
+
+        A round is never run twice: its messages would collide with those of the failed attempt still queued at
+        a neighbour. A stale θ is caught by the next group's start-fingerprint check, which re-syncs us.
+        """
+        self.stage.reset()
+        self._set(start)
+        if not self._load(min_round=t + 1, wait_s=self.timeouts.round_timeout_s):
+            logger.warning("round %d: no peer has round %d; going on from round %d's weights", t, t + 1, t)
+            self.round = t + 1
 
     def _wait_for_pipeline(self, t: int) -> bool:
         """Until the VR is whole and in round t (see the module docstring); False to skip the round (the swarm

@@ -1,0 +1,66 @@
+"""Helpers of the multi-peer tests: the tests' run definition, node command lines, reading metrics, waiting."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from hetero_node.client.local_swarm import LocalSwarm
+from hetero_node.client.metrics import read_metrics
+
+
+def options(**values: str) -> list[str]:
+    return [arg for key, value in values.items() for arg in (f"--{key.replace('_', '-')}", value)]
+
+
+def run_args(rounds: int, inner_steps: int = 8, **extra: str) -> list[str]:
+    """The tests' run definition; the bootstrap announces it and replicas adopt it."""
+    args = [
+        "--preset", "tiny", "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
+        "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
+    ]  # fmt: skip
+    return args + options(**extra)
+
+
+def join_args(peers: str, index: int, workdir: Path, **extra: str) -> list[str]:
+    """Replica `index`'s node options (no run options: it learns the run from the bootstrap)."""
+    args = [
+        "--log-level", "INFO", "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
+        "--matchmaking-s", "3", "--round-timeout-s", "20", "--fetch-timeout-s", "10", "--record-refresh-s", "3",
+        "--settle-s", "1", "--bandwidth-mbps", "1000",
+        "--metrics", str(workdir / f"r{index}.jsonl"), "--checkpoint-dir", str(workdir / f"r{index}.ckpt"), "--quiet",
+    ]  # fmt: skip
+    return args + options(**extra)
+
+
+def start_replicas(
+    swarm: LocalSwarm, count: int, workdir: Path, rounds: int, inner_steps: int = 8,
+    run_extra: dict[str, str] | None = None, **node_extra: str,
+) -> str:  # fmt: skip
+    """A bootstrap plus replicas r0..r{count-1} of one run; returns the bootstrap's multiaddr for later joiners."""
+    peers = swarm.start_bootstrap(run_args(rounds, inner_steps, **(run_extra or {})))
+    node_extra.setdefault("min_peers", str(count))  # start together: processes take seconds to import on 2 cores
+    for i in range(count):
+        swarm.start(f"r{i}", join_args(peers, i, workdir, **node_extra))
+    return peers
+
+
+def rounds_of(workdir: Path, index: int) -> dict[int, dict[str, Any]]:
+    """Replica `index`'s round records by round (a restarted replica's later record wins)."""
+    return {r["round"]: r for r in read_metrics(workdir / f"r{index}.jsonl")[1]}
+
+
+def wait_for_round(workdir: Path, index: int, round_: int, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if round_ in rounds_of(workdir, index):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"replica {index} did not complete round {round_} within {timeout} s")
+
+
+def assert_all_exit_cleanly(swarm: LocalSwarm, names: list[str], timeout: float = 240.0) -> None:
+    for name in names:
+        code = swarm.wait(name, timeout)
+        assert code == 0, f"{name} exited with {code}; log:\n{swarm.log_path(name).read_text()[-3000:]}"
