@@ -105,7 +105,7 @@ def build_report(metrics_files: list[Path]) -> dict[str, Any]:
         pipeline = settings["pipeline"]
         run = {
             "preset": settings["preset"],
-            "n_params": header["n_params"],
+            "n_params": model.n_params(),  # the whole model (a stage peer's header counts its shard)
             "H": settings["outer"]["inner_steps"],
             "outer": settings["outer"]["outer"],
             "stages": settings["outer"]["stages"],
@@ -136,7 +136,16 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     rounds = [r for p in report["peers"] for r in p["rounds"]]
     if not rounds:
         raise HeteroNodeError("no replica completed a round; see the logs in the demo's work directory")
-    evals = sorted((r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None)
+    # the swarm's model as full replicas evaluate it; without any, as the virtual replicas' pipelines do
+    evaluators = [p for p in report["peers"] if p["role"] == "full"] or report["peers"]
+    evals = sorted((r["round"], r["eval_loss"]) for p in evaluators for r in p["rounds"] if r["eval_loss"] is not None)
+    vr_evals = sorted(
+        (r["round"], r["eval_loss"])
+        for p in report["peers"]
+        if p["role"] == "stage"
+        for r in p["rounds"]
+        if r["eval_loss"] is not None
+    )
     by_round: dict[int, dict[str, set[str]]] = {}  # round → shard (or "fixed") → fingerprints peers hold
     for r in rounds:
         for key, value in r["fingerprints"].items():
@@ -150,9 +159,10 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     return {
         "eval_loss_first_round": evals[0][1] if evals else None,
         "eval_loss_last_round": evals[-1][1] if evals else None,
+        **({"virtual_replica_eval_loss_last_round": vr_evals[-1][1]} if vr_evals else {}),
         "bytes_sent_per_round_per_peer": sent,
         "dense_fp32_allreduce_bytes_per_round_per_peer": dense,
-        "compression_vs_dense": dense / sent if sent else None,
+        "compression_vs_dense": dense / sent if sent and dense else None,
         "compute_s_per_round": statistics.mean(r["compute_s"] for r in rounds),
         "comm_s_per_round": statistics.mean(r["comm_s"] for r in rounds),
         "rounds_with_agreeing_fingerprints": sum(

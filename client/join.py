@@ -78,7 +78,7 @@ def _initial_record(
     }
 
 
-def _role_for_run(run: RunConfig, requested_role: str) -> str:
+def role_for_run(run: RunConfig, requested_role: str) -> str:
     """compress-all trains every replica as a virtual replica; a run without boundaries has no stages."""
     if run.pipeline.activation_compression == "compress-all":
         if requested_role == "full":
@@ -115,7 +115,7 @@ def run_node(
         else:
             logger.warning("no peer in --peers announces a run; using this node's own run options")
             run, store = prepare_run(*configs.values())
-        requested_role = _role_for_run(run, requested_role)
+        requested_role = role_for_run(run, requested_role)
         runtime.join_run(run.run_id)
         on_status(f"run {run.run_id}: measuring this node")
         req = run_requirements(run)

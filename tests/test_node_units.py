@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from hetero_node.client.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from hetero_node.client.demo import DemoConfig, summarize
+from hetero_node.client.join import role_for_run
 from hetero_node.client.outer_sync import majority_fingerprint
 from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
-from hetero_node.protocol.run_config import OuterConfig, RunConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
 
@@ -155,3 +157,51 @@ def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Pa
     run_file.write_text("[outer]\ninner_steps = 0\n")
     with pytest.raises(ConfigError, match="--inner-steps must be positive"):
         apply_run_file(configs, load_run_file(run_file), explicit=set())
+
+
+def test_compress_all_makes_every_node_a_stage_and_one_stage_runs_have_none() -> None:
+    compress_all = dataclasses.replace(run_config(), pipeline=PipelineConfig(activation_compression="compress-all"))
+    assert role_for_run(compress_all, "auto") == role_for_run(compress_all, "stage") == "stage"
+    with pytest.raises(ConfigError, match="compress-all"):
+        role_for_run(compress_all, "full")
+    one_stage = dataclasses.replace(run_config(), outer=OuterConfig(stages=1))
+    with pytest.raises(ConfigError, match="one stage"):
+        role_for_run(one_stage, "stage")
+    assert role_for_run(one_stage, "auto") == "auto"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"full": 0, "virtual": 0}, "at least one replica"),
+        ({"virtual": 1, "stages": 1}, "stages ≥ 2"),
+        ({"activation_compression": "compress-all"}, "--full 0"),
+    ],
+)
+def test_demo_rejects_impossible_topologies(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        DemoConfig(**changes)
+
+
+def test_demo_summary_counts_pipeline_bytes_and_per_shard_agreement() -> None:
+    def record(round_: int, fps: dict[str, str], **extra: object) -> dict[str, object]:
+        return {"round": round_, "tokens": 1000, "train_loss": 3.0, "eval_loss": None, "bytes_sent": 10,
+                "dense_allreduce_bytes": 0, "compute_s": 1.0, "comm_s": 0.5, "fingerprints": fps,
+                "boundary_bytes_sent": 0, **extra}  # fmt: skip
+
+    fps = {"0": "a", "1": "b", "fixed": "c"}
+    report = {
+        "run": {"stages": 2, "d_model": 128, "boundary_wire": "bf16", "vocab_size": 256},
+        "peers": [
+            {"role": "full", "stage": None, "rounds": [record(0, fps, eval_loss=4.0), record(1, fps, eval_loss=3.5)]},
+            {"role": "stage", "stage": 0, "rounds": [record(0, {"0": "a", "fixed": "c"}, boundary_bytes_sent=34_000),
+                                                     record(1, {"0": "X", "fixed": "c"}, boundary_bytes_sent=34_000)]},
+            {"role": "stage", "stage": 1, "rounds": [record(0, {"1": "b", "fixed": "c"}, boundary_bytes_sent=32_000),
+                                                     record(1, {"1": "b", "fixed": "c"}, boundary_bytes_sent=32_000)]},
+        ],
+    }  # fmt: skip
+    summary = summarize(report)
+    assert summary["rounds"] == 2 and summary["rounds_with_agreeing_fingerprints"] == 1  # shard 0 split in round 1
+    assert summary["boundary_bytes_per_token"] == 66.0  # (34 000 + 32 000) bytes per 1000 tokens the VR trained
+    assert summary["boundary_bytes_per_token_dense"] == 2 * 128 * 2 + 2  # bf16 both ways plus a u16 id
+    assert summary["eval_loss_last_round"] == 3.5
