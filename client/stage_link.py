@@ -38,6 +38,7 @@ KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", EVAL: "eval"}
 MAX_EVAL_BATCHES = 64
 MAX_QUEUED = 256
 """Accepted messages waiting for the worker; a sender that floods a stage is refused beyond this."""
+SEND_ATTEMPTS = 3
 SETTLE_S = 5.0
 """A message for our current or next round from a not-yet-known neighbour waits this long for the worker to catch
 up (it reads the records a moment after the sender did) before it is refused."""
@@ -233,8 +234,28 @@ class StageSender:
             for piece in pieces:
                 yield piece
 
-        call = self.runtime.p2p.call_protobuf_handler(PeerID.from_base58(peer), self.handler, stream(), wire.StageAck)
-        future = asyncio.run_coroutine_threadsafe(call, self.runtime.loop)
+        async def deliver() -> Any:
+            """A refusal (P2PHandlerError) is final; a torn stream is retried, and a retry refused as a duplicate
+            means the torn attempt did arrive."""
+            from hivemind.p2p import P2PHandlerError
+
+            for attempt in range(SEND_ATTEMPTS):
+                try:
+                    return await self.runtime.p2p.call_protobuf_handler(
+                        PeerID.from_base58(peer), self.handler, stream(), wire.StageAck
+                    )
+                except P2PHandlerError as e:
+                    if attempt > 0 and "duplicate" in str(e):
+                        return wire.StageAck()
+                    raise
+                except Exception as e:  # transport errors come in many types
+                    if attempt == SEND_ATTEMPTS - 1:
+                        raise
+                    logger.info("sending to %s failed (%r); retrying", peer, e)
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            raise AssertionError("unreachable")
+
+        future = asyncio.run_coroutine_threadsafe(deliver(), self.runtime.loop)
         return future, sum(piece.ByteSize() for piece in pieces)
 
 
