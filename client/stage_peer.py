@@ -278,12 +278,11 @@ class StagePeer:
 
     def _wait_for_pipeline(self, t: int) -> bool:
         """Until the VR is whole and in round t (see the module docstring); False to skip the round (the swarm
-        moved past it and we loaded its state, our slot was reassigned, or we are stopping)."""
+        moved past it, our slot was reassigned, or we are stopping)."""
         while not self.stop.is_set():
             records = self._records()
-            if self._swarm_round(records) > t:
+            if self._swarm_round(records) > t:  # the run loop catches up once θ(t) is restored
                 logger.warning("round %d: the swarm is in round %d; catching up", t, self._swarm_round(records))
-                self._catch_up()
                 return False
             if self.membership.slot != (self.vr, self.shard):
                 return False

@@ -86,6 +86,17 @@ def repaired_rounds(workdir: Path) -> list[int]:
     ]  # fmt: skip
 
 
+def round_table(workdir: Path) -> str:
+    """Who did what in each round (for a failure message: CI keeps no peer logs)."""
+    lines = []
+    for index in (FULL, STAGE0, STAGE1, 21):
+        for t, r in sorted(rounds_of(workdir, index).items()):
+            lines.append(
+                f"r{index} round {t}: group {r['group_size']} contributors {r['contributors']} resynced {r['resynced']}"
+            )
+    return "\n".join(lines)
+
+
 def test_killed_stage_is_replaced_and_the_virtual_replica_contributes_again(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         # a full replica finishes a round seconds before the pipeline on a loaded 2-core CI machine: its groups
@@ -102,8 +113,9 @@ def test_killed_stage_is_replaced_and_the_virtual_replica_contributes_again(tmp_
             time.sleep(1)
         # the run is 200 rounds long: stop it here (LocalSwarm kills each process group, p2pd included)
     together = repaired_rounds(tmp_path)
-    assert len(together) >= 2, "the repaired virtual replica did not contribute again"
+    assert len(together) >= 2, f"the repaired virtual replica did not contribute again:\n{round_table(tmp_path)}"
     assert "this virtual replica does not contribute this round" in (tmp_path / "s0.log").read_text()
+    assert "differs from the group's" not in (tmp_path / "r0.log").read_text(), "the repaired VR started off-state"
     assert "loaded the swarm's state" in (tmp_path / "s1b.log").read_text()
     full, s0, replacement = (rounds_of(tmp_path, i) for i in (FULL, STAGE0, 21))
     for t in together:
