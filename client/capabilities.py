@@ -15,10 +15,10 @@ import psutil
 import torch
 
 from hetero_node.client.planner import Requirements
-from hetero_node.client.trainer import InnerTrainer
 from hetero_node.models.config import get_preset
 from hetero_node.models.memory import full_and_stage_memory
 from hetero_node.models.shards import shard_parameter_names
+from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.sparse_codec import message_size_bytes

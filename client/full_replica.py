@@ -24,11 +24,11 @@ from hetero_node.client.outer_sync import ShardOutcome, ShardSync
 from hetero_node.client.shard_state import FIXED, ShardStates, state_fingerprint
 from hetero_node.client.swarm_runtime import PeerRuntime
 from hetero_node.client.swarm_view import expected_group_size, full_replicas, replica_count
-from hetero_node.client.trainer import InnerTrainer, resolve_device
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
 from hetero_node.models.subspace import drift_transfer_, enable_subspace, subspace_basis
+from hetero_node.models.trainer import InnerTrainer, resolve_device
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.errors import CheckpointError, HeteroNodeError, PayloadError
 from hetero_node.protocol.run_config import RunConfig

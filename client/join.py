@@ -23,8 +23,8 @@ from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING, Requirements
 from hetero_node.client.run_definition import adopt_announced_run, fetch_run_announcement
 from hetero_node.client.run_setup import prepare_run
 from hetero_node.client.swarm_runtime import PeerRuntime
-from hetero_node.client.trainer import resolve_device
 from hetero_node.models.paths import default_cache_dir
+from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.run_config import RunConfig
 

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetero_node.client.config import OptimConfig, TrainConfig
-from hetero_node.client.trainer import InnerTrainer, resolve_device
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, build_token_store, val_batches
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.tokenizer import load_tokenizer
+from hetero_node.models.trainer import InnerTrainer, resolve_device
 from hetero_node.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from hetero_node.client.trainer import InnerTrainer
 from hetero_node.models.config import get_preset
 from hetero_node.models.stages import StageModule
 from hetero_node.models.subspace import (
@@ -27,6 +26,7 @@ from hetero_node.models.subspace import (
     project_,
     subspace_basis,
 )
+from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import autocast_context
 from hetero_node.protocol import boundary_codec as codec
 from hetero_node.protocol.run_config import RunConfig

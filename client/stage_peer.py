@@ -52,11 +52,11 @@ from hetero_node.client.stage_link import (
 )
 from hetero_node.client.swarm_runtime import PeerRuntime
 from hetero_node.client.swarm_view import expected_group_size, replica_count, shard_donors
-from hetero_node.client.trainer import resolve_device
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
 from hetero_node.models.subspace import drift_transfer_
+from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import HeteroNodeError, PayloadError
 from hetero_node.protocol.keys import stage_handler_name
 from hetero_node.protocol.run_config import RunConfig

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from hetero_node.client.config import OptimConfig
 from hetero_node.models.transformer import autocast_context
 from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.run_config import OptimConfig
 
 
 def resolve_device(name: str) -> torch.device:
