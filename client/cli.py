@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
+from hetero_node.bench.config import BenchConfig, DDPWorkerConfig
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
 from hetero_node.client.demo import DemoConfig
@@ -186,7 +187,7 @@ def bootstrap(
     config: Path | None = RUN_FILE_OPTION,
 ) -> None:
     """Run a bootstrap node: a stable entry point that announces the run (signed) to everyone who joins."""
-    from hetero_node.bootstrap.node import BootstrapNode
+    from hetero_node.bootstrap.node import BootstrapNode, join_line
     from hetero_node.client.run_definition import data_source_name
     from hetero_node.client.run_setup import prepare_run
 
@@ -198,7 +199,7 @@ def bootstrap(
     console.print(f"bootstrap peer id: {node.dht.peer_id}", markup=False, highlight=False)
     console.print(f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}", markup=False)
     console.print("volunteers join with:", markup=False)
-    console.print(f"  hetero-node join --peers {node.join_addresses[0]}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  {join_line(node.join_addresses[0])}", markup=False, highlight=False, soft_wrap=True)
     node.serve_forever()
 
 
@@ -275,6 +276,28 @@ def demo(cfg: DemoConfig) -> None:
     print_table(console, "demo summary", ("", ""), rows)
     if summary["failed_peers"]:
         raise HeteroNodeError(f"peers failed: {summary['failed_peers']}; see their logs in the work directory")
+
+
+@app.command()
+@expand_dataclass_options
+def bench(cfg: BenchConfig) -> None:
+    """Compare training methods on a lab of shaped network namespaces (needs root); writes report.json/.md, plots."""
+    from hetero_node.bench.suite import run_bench
+
+    path = run_bench(cfg, err_console)
+    console.print(path.with_suffix(".md").read_text(), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"report: {path} and {path.with_suffix('.md')}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("ddp-rank", hidden=True)
+@expand_dataclass_options
+def ddp_rank(run_options: RunOptions, outer: OuterConfig, optim: OptimConfig, worker: DDPWorkerConfig) -> None:
+    """One rank of the benchmark's ddp baseline (`hetero-node bench` starts one per lab node)."""
+    from hetero_node.bench.ddp import train
+    from hetero_node.client.run_setup import prepare_run
+
+    run, store = prepare_run(run_options, outer, optim, SparseLoCoConfig(), PipelineConfig())
+    train(run, store, worker)
 
 
 def _format(value: object) -> str:

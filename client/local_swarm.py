@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from hetero_node.bootstrap.node import JOIN_LINE
 from hetero_node.protocol.errors import HeteroNodeError
-
-JOIN_LINE = re.compile(r"--peers\s+(\S+)")
 
 
 class LocalSwarm:

@@ -1,0 +1,97 @@
+"""`hetero-node bench` options: which topology, which methods, what model and token budget, where results go.
+
+Every method of one benchmark trains the same preset on the same data for the same number of tokens per node
+(rounds × H inner steps of batch_size × seq_len), so the report can compare them row by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetero_node.protocol.errors import ConfigError, require_positive
+
+METHODS = ("ddp", "diloco", "sparseloco", "hetero", "compress-all")
+"""ddp: dense fp32 gradient all-reduce every step (torch.distributed, gloo); diloco: every node a full replica,
+dense pseudo-gradients every H steps; sparseloco: every node a full replica, SparseLoCo; hetero: every node
+with its topology role (the planner's choice under auto), selective activation compression; compress-all: the
+same nodes, every replica's activations compressed."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark scenario: a topology and the methods to run on it, one after the other."""
+
+    topology: Path = field(
+        default=Path("hetero"),
+        metadata={"help": "Topology TOML file, or a bundled one by name: hetero, edge-only or uniform."},
+    )
+    methods: str = field(
+        default=",".join(METHODS), metadata={"help": f"Comma-separated methods to run: {', '.join(METHODS)}."}
+    )
+    preset: str = field(default="small", metadata={"help": "Model preset: tiny or small (bigger ones need GPUs)."})
+    rounds: int = field(default=3, metadata={"help": "Outer rounds (ddp: evaluations) per method."})
+    inner_steps: int = field(default=10, metadata={"help": "H: inner steps per round (ddp: steps per evaluation)."})
+    batch_size: int = field(default=4, metadata={"help": "Sequences per inner step, per node."})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
+    stages: int = field(default=2, metadata={"help": "Parameter shards / pipeline stages."})
+    subspace_rank: int = field(
+        default=0, metadata={"help": "hetero and compress-all: activation subspace rank k (0: d_model/8)."}
+    )
+    lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate (warm-up: min(50, H) steps)."})
+    eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
+    threads_per_node: int = field(
+        default=1, metadata={"help": "Torch threads per node process (nodes share this machine's cores)."}
+    )
+    measure_bandwidth: bool = field(
+        default=False,
+        metadata={"help": "Let each node probe its link instead of advertising its topology rate (slower)."},
+    )
+    timeout_s: float = field(default=1800.0, metadata={"help": "Give up on a method's run after this long."})
+    stall_timeout_s: float = field(
+        default=300.0, metadata={"help": "Give up on a method's run when no node finishes a round for this long."}
+    )
+    out: Path | None = field(
+        default=None, metadata={"help": "Results directory (default: bench/results/<topology name>)."}
+    )
+    report_only: bool = field(
+        default=False, metadata={"help": "Run nothing: rebuild the report and plots from the raw runs in the results."}
+    )
+
+    def __post_init__(self) -> None:
+        require_positive(
+            self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr", "eval_batches",
+            "threads_per_node", "timeout_s", "stall_timeout_s",
+        )  # fmt: skip
+        unknown = [m for m in self.method_list if m not in METHODS]
+        if unknown or not self.method_list:
+            raise ConfigError(f"--methods {self.methods!r}: choose from {', '.join(METHODS)}")
+        if self.subspace_rank < 0:
+            raise ConfigError(f"--subspace-rank must not be negative, got {self.subspace_rank}")
+
+    @property
+    def method_list(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.methods.split(",") if m.strip())
+
+    @property
+    def warmup_steps(self) -> int:
+        """As in the demo: a run as short as a benchmark's must not spend most of its steps warming up."""
+        return min(50, self.inner_steps)
+
+
+@dataclass(frozen=True)
+class DDPWorkerConfig:
+    """This rank's place in the job; the run options (model, data, H, rounds, optimizer) come separately."""
+
+    rank: int = field(default=0, metadata={"help": "This process's rank; it also picks the data shard."})
+    world_size: int = field(default=1, metadata={"help": "Number of ranks."})
+    master: str = field(default="127.0.0.1:29500", metadata={"help": "ADDR:PORT of rank 0's rendezvous store."})
+    metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
+    eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
+    timeout_s: float = field(default=600.0, metadata={"help": "Rendezvous and collective timeout."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "world_size", "eval_batches", "timeout_s")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"--rank {self.rank} is not in 0..{self.world_size - 1}")

@@ -1,0 +1,281 @@
+"""From raw run records (`runs/<method>.json`) to `report.json`, `report.md` and the loss plots.
+
+Definitions the table uses:
+* wall time: from launching the run's first process to the last round any node finished (start-up included,
+  for every method alike); a node's own wall time starts when its first round did (compute_s + comm_s before
+  the harness saw it finish), so start-up does not count against its compute utilisation;
+* bytes on the wire: transmit/receive counters of each node's interface, everything that crossed its link;
+  the swarm's figure adds the bootstrap's. "Counted" bytes are what the program itself reports sending
+  (outer-round payloads, plus pipeline-boundary traffic for stage peers);
+* tokens: a full replica's (or ddp rank's) are its own; a virtual replica's are split evenly among its stage
+  peers, so node tokens add up to the swarm's and the edge nodes' share is well defined.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOSS_VS_WALL = "loss_vs_wall.png"
+LOSS_VS_BYTES = "loss_vs_bytes.png"
+SCENARIO_KEYS = ("preset", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "subspace_rank", "lr")
+
+
+def eval_curve(run: dict[str, Any]) -> list[dict[str, float]]:
+    """Per round with an evaluation: mean eval loss over the nodes that report one, when the last of them
+    finished the round, and the swarm's wire bytes sent by then."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for node in run["nodes"]:
+        for record in node["rounds"]:
+            if record.get("eval_loss") is not None:
+                by_round.setdefault(record["round"], []).append(record)
+    return [
+        {
+            "round": r,
+            "eval_loss": statistics.mean(rec["eval_loss"] for rec in records),
+            "at_s": max(rec["observed"]["at_s"] for rec in records),
+            "wire_bytes_sent": max(rec["observed"]["swarm_wire_bytes_sent"] for rec in records),
+        }
+        for r, records in sorted(by_round.items())
+    ]
+
+
+def _node_wall_s(rounds: list[dict[str, Any]]) -> float | None:
+    if not rounds:
+        return None
+    first = rounds[0]
+    start = first["observed"]["at_s"] - first["compute_s"] - first["comm_s"]
+    return max(rounds[-1]["observed"]["at_s"] - start, sum(r["compute_s"] for r in rounds))
+
+
+def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
+    """The per-method figures of report.json (see the module docstring for definitions)."""
+    stage_peers = Counter(n["header"].get("vr") for n in run["nodes"] if n["header"].get("role") == "stage")
+    nodes: dict[str, dict[str, Any]] = {}
+    for node in run["nodes"]:
+        rounds, header = node["rounds"], node["header"]
+        share = 1 / stage_peers[header.get("vr")] if header.get("role") == "stage" else 1.0
+        tokens = share * sum(r["tokens"] for r in rounds)
+        wall = _node_wall_s(rounds)
+        compute = sum(r["compute_s"] for r in rounds)
+        nodes[node["name"]] = {
+            "role": header.get("role", node["requested_role"]),
+            "rounds": len(rounds),
+            "wire_bytes_sent": node["wire_bytes_sent"],
+            "wire_bytes_received": node["wire_bytes_received"],
+            "reported_bytes_sent": sum(r["bytes_sent"] + r.get("boundary_bytes_sent", 0) for r in rounds),
+            "outer_bytes_per_round": sum(r["bytes_sent"] for r in rounds) / len(rounds) if rounds else None,
+            "outer_message_bytes": _message_bytes(rounds),
+            "rounds_not_aggregated": sum(1 for r in rounds if r.get("resynced")),
+            "reported_bytes_received": sum(r["bytes_received"] + r.get("boundary_bytes_received", 0) for r in rounds),
+            "tokens": tokens,
+            "compute_s": compute,
+            "wall_s": wall,
+            "compute_utilisation": compute / wall if wall else None,
+            "tokens_per_s": tokens / wall if wall else None,
+            "bytes_per_token": node["wire_bytes_sent"] / tokens if tokens else None,
+            "edge": node["name"] in run["edge_nodes"],
+        }
+    curve = eval_curve(run)
+    observed = [r["observed"]["at_s"] for n in run["nodes"] for r in n["rounds"]]
+    wall_s = max(observed) if observed else run["elapsed_s"]
+    tokens = sum(n["tokens"] for n in nodes.values())
+    bootstrap = run["bootstrap"] or {"wire_bytes_sent": 0, "wire_bytes_received": 0}
+    wire_sent = sum(n["wire_bytes_sent"] for n in nodes.values()) + bootstrap["wire_bytes_sent"]
+    edge_tokens = sum(n["tokens"] for n in nodes.values() if n["edge"])
+    rounds = max((n["rounds"] for n in nodes.values()), default=0)
+    return {
+        "status": run["status"],
+        "final_eval_loss": curve[-1]["eval_loss"] if curve else None,
+        "wall_s": wall_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall_s if wall_s else None,
+        "wire_bytes_sent": wire_sent,
+        "wire_bytes_received": sum(n["wire_bytes_received"] for n in nodes.values()) + bootstrap["wire_bytes_received"],
+        "reported_bytes_sent": sum(n["reported_bytes_sent"] for n in nodes.values()),
+        "bytes_per_token": wire_sent / tokens if tokens else None,
+        "edge_token_share": edge_tokens / tokens if run["edge_nodes"] and tokens else None,
+        "outer_bytes_per_round_per_node": _mean([n["outer_bytes_per_round"] for n in nodes.values()]),
+        "outer_message_bytes": _mean([n["outer_message_bytes"] for n in nodes.values()]),
+        "wire_bytes_per_round": wire_sent / rounds if rounds else None,
+        "rounds_not_aggregated": sum(n["rounds_not_aggregated"] for n in nodes.values()),
+        "bootstrap": bootstrap,
+        "nodes": nodes,
+        "curve": curve,
+    }
+
+
+def _message_bytes(rounds: list[dict[str, Any]]) -> float | None:
+    """A node's round message as sent: its outer-round bytes per peer that fetched them, over rounds in a group."""
+    return _mean([r["bytes_sent"] / (r["group_size"] - 1) for r in rounds if r["group_size"] > 1 and r["bytes_sent"]])
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def targets(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's benchmark targets, each with the measured figure and whether it is met (None: a method it
+    needs did not run, or did not finish)."""
+    ok = {m: s for m, s in methods.items() if s["status"] == "ok"}
+
+    def get(method: str, key: str) -> Any:
+        return ok.get(method, {}).get(key)
+
+    rows = []
+
+    def add(target: str, measured: float | None, met: bool | None, fmt: str) -> None:
+        rows.append({"target": target, "measured": measured, "met": met, "format": fmt})
+
+    per_round = _ratio(get("diloco", "outer_message_bytes"), get("sparseloco", "outer_message_bytes"))
+    add("sparseloco sends ≥ 30× fewer bytes per round than fp32 diloco (counted, per receiving peer)", per_round,
+        None if per_round is None else per_round >= 30, "{:,.0f}×")  # fmt: skip
+    per_token = _ratio(get("ddp", "bytes_per_token"), get("sparseloco", "bytes_per_token"))
+    add("sparseloco moves ≥ 500× fewer wire bytes per token than ddp (stated for H = 30)", per_token,
+        None if per_token is None else per_token >= 500, "{:,.0f}×")  # fmt: skip
+    loss_gap = _ratio(get("hetero", "final_eval_loss"), get("ddp", "final_eval_loss"))
+    add("hetero's final eval loss within 3% of ddp's (ratio)", loss_gap,
+        None if loss_gap is None else loss_gap <= 1.03, "{:.3f}")  # fmt: skip
+    speed = _ratio(get("ddp", "wall_s"), get("hetero", "wall_s"))
+    add("hetero takes ≤ 1/5 of ddp's wall time (ddp / hetero)", speed, None if speed is None else speed >= 5,
+        "{:.2f}×")  # fmt: skip
+    versus = _ratio(get("compress-all", "final_eval_loss"), get("hetero", "final_eval_loss"))
+    add("hetero's eval loss below compress-all's (compress-all / hetero)", versus,
+        None if versus is None else versus > 1, "{:.3f}")  # fmt: skip
+    hetero_nodes = ok.get("hetero", {}).get("nodes", {}).values()
+    utilisation = [n["compute_utilisation"] for n in hetero_nodes if n["role"] == "full"]
+    lowest = min((u for u in utilisation if u is not None), default=None)
+    add("hetero: every full replica's compute utilisation ≥ 90% (lowest)", lowest,
+        None if lowest is None else lowest >= 0.9, "{:.0%}")  # fmt: skip
+    share = get("hetero", "edge_token_share")
+    add("hetero: edge nodes contribute ≥ 25% of the swarm's tokens", share, None if share is None else share >= 0.25,
+        "{:.0%}")  # fmt: skip
+    return rows
+
+
+def write_report(runs: list[dict[str, Any]], out: Path) -> Path:
+    """Write report.json, report.md and the two plots under `out`; returns report.json's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    settings = runs[0]["config"] if runs else {}
+    scenario = {
+        "topology": runs[0]["topology"] if runs else None,
+        **{k: settings.get(k) for k in SCENARIO_KEYS},
+    }
+    methods = {run["method"]: summarize_run(run) for run in runs}
+    report = {"scenario": scenario, "methods": methods, "targets": targets(methods)}
+    path = out / "report.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    _plot(methods, out)
+    (out / "report.md").write_text(render_markdown(report))
+    logger.info("report written to %s", path)
+    return path
+
+
+def _plot(methods: dict[str, dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    for filename, key, scale, label, log_x in (
+        (LOSS_VS_WALL, "at_s", 1.0, "wall time (s)", False),
+        (LOSS_VS_BYTES, "wire_bytes_sent", 1e-6, "bytes on the wire, whole swarm (MB)", True),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for method, summary in methods.items():
+            curve = summary["curve"]
+            if curve:
+                ax.plot([p[key] * scale for p in curve], [p["eval_loss"] for p in curve], marker="o", label=method)
+        if log_x and ax.lines:
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("eval loss")
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / filename, dpi=120)
+        plt.close(fig)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _mb(value: float | None) -> str:
+    return "" if value is None else f"{value / 1e6:,.2f}"
+
+
+def _kb(value: float | None) -> str:
+    return "" if value is None else f"{value / 1e3:,.1f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    scenario = report["scenario"]
+    lines = [
+        f"# Benchmark: {scenario['topology']} topology, {scenario['preset']} preset",
+        "",
+        f"{scenario['rounds']} rounds × H = {scenario['inner_steps']} inner steps per node, batch "
+        f"{scenario['batch_size']} × {scenario['seq_len']} tokens, {scenario['stages']} stages, peak LR "
+        f"{scenario['lr']}. One `swarm` row per method, then one row per node.",
+        "",
+        "| method | node | role / status | final eval loss | wall s | wire sent MB | wire received MB | "
+        "counted sent MB | message KB | rounds not aggregated | bytes/token | compute util. | tokens/s | "
+        "edge token share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, m in report["methods"].items():
+        lines.append(
+            f"| {method} | swarm | {m['status']} | {_fmt(m['final_eval_loss'], '.4f')} | {m['wall_s']:.1f} | "
+            f"{_mb(m['wire_bytes_sent'])} | {_mb(m['wire_bytes_received'])} | {_mb(m['reported_bytes_sent'])} | "
+            f"{_kb(m['outer_message_bytes'])} | {m['rounds_not_aggregated']} | "
+            f"{_fmt(m['bytes_per_token'], ',.0f')} |  | {_fmt(m['tokens_per_s'], ',.0f')} | "
+            f"{_fmt(m['edge_token_share'], '.0%')} |"
+        )
+        for name, n in m["nodes"].items():
+            edge = " (edge)" if n["edge"] else ""
+            lines.append(
+                f"| {method} | {name}{edge} | {n['role']} |  | {_fmt(n['wall_s'], '.1f')} | "
+                f"{_mb(n['wire_bytes_sent'])} | {_mb(n['wire_bytes_received'])} | {_mb(n['reported_bytes_sent'])} | "
+                f"{_kb(n['outer_message_bytes'])} | {n['rounds_not_aggregated']} | "
+                f"{_fmt(n['bytes_per_token'], ',.0f')} | {_fmt(n['compute_utilisation'], '.0%')} | "
+                f"{_fmt(n['tokens_per_s'], ',.0f')} |  |"
+            )
+    lines += [
+        "",
+        "Wall time: swarm rows from launch to the last finished round (start-up included); node rows from the "
+        "start of the node's first round. Wire bytes: interface counters (swarm rows add the bootstrap's). "
+        "Counted bytes: what the program reports sending. Bytes/token: wire bytes sent per training token. "
+        "Message KB: outer-round bytes a node sent per round per peer that fetched them, i.e. the size of its "
+        "round message (counted; ddp: its all-reduce traffic per evaluation interval / (W − 1); the swarm row is "
+        "the mean over nodes). Rounds not aggregated: node-rounds whose contribution missed its group (the node "
+        "re-synced). "
+        "Compute utilisation: compute time / the node's wall time.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        *(
+            f"| {t['target']} | {'' if t['measured'] is None else t['format'].format(t['measured'])} | "
+            f"{'n/a' if t['met'] is None else ('yes' if t['met'] else 'no')} |"
+            for t in report["targets"]
+        ),
+        "",
+        f"![eval loss vs wall time]({LOSS_VS_WALL})",
+        "",
+        f"![eval loss vs bytes on the wire]({LOSS_VS_BYTES})",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""The benchmark harness: topology files, per-method command lines, the report, and short real lab runs.
+
+The lab runs need root and network namespaces (skipped otherwise, with the reason) and the bundled corpus;
+they check that shaping is in force, that interface counters are read next to what the program counted, and
+that a run, failed or not, leaves no namespace behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetero_node.bench.commands import bootstrap_argv, ddp_argv, expected_replicas, join_argv
+from hetero_node.bench.config import METHODS, BenchConfig
+from hetero_node.bench.lab_run import run_method
+from hetero_node.bench.netns import LAB_PREFIX, netns_unavailable_reason
+from hetero_node.bench.report import LOSS_VS_BYTES, LOSS_VS_WALL, write_report
+from hetero_node.bench.suite import run_bench
+from hetero_node.bench.topology import Topology, TopologyError, load_topology, parse_topology
+from hetero_node.client.metrics import RoundRecord
+from hetero_node.protocol.errors import ConfigError, HeteroNodeError
+
+TWO_NODES = """
+[[node]]
+name = "a"
+role = "full"
+up_mbit = {a}
+
+[[node]]
+name = "b"
+role = "full"
+up_mbit = {b}
+"""
+
+
+# ------------------------------------------------------------------------------------------------- topologies
+
+
+def test_bundled_topologies_load_with_their_edge_nodes() -> None:
+    hetero = load_topology(Path("hetero"))
+    assert [(n.name, n.up_mbit, n.down_mbit) for n in hetero.nodes] == [
+        ("dc0", 1000, 1000), ("dc1", 1000, 1000), ("edge0", 50, 50), ("edge1", 50, 50),
+    ]  # fmt: skip
+    assert hetero.edge_nodes == ("edge0", "edge1")
+    assert hetero.bootstrap_up_mbit == hetero.bootstrap_down_mbit == 1000
+    for name, rate in (("edge-only", 50), ("uniform", 1000)):
+        topology = load_topology(Path(name))
+        assert {n.link_mbit for n in topology.nodes} == {rate} and len(topology.nodes) == 4
+        assert topology.edge_nodes == ()
+
+
+def test_a_topology_file_gives_roles_asymmetric_links_and_cpu_pinning(tmp_path: Path) -> None:
+    path = tmp_path / "lab.toml"
+    path.write_text(TWO_NODES.format(a=100, b=10) + "down_mbit = 5\ncpus = [0]\n[bootstrap]\nup_mbit = 200\n")
+    topology = load_topology(path)
+    assert topology.name == "lab"
+    b = topology.nodes[1]
+    assert (b.up_mbit, b.down_mbit, b.link_mbit, b.cpus) == (10, 5, 5, (0,))
+    assert (topology.bootstrap_up_mbit, topology.bootstrap_down_mbit) == (200, 200)
+    assert topology.edge_nodes == ("b",)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[node]\n", "not valid TOML"),
+        ("colour = 1\n" + TWO_NODES.format(a=1, b=1), "unknown keys in the top level: colour"),
+        (TWO_NODES.format(a=1, b=1) + "down_mibt = 3\n", "unknown keys in node 'b'"),
+        (TWO_NODES.format(a=1, b=1).replace('role = "full"\nup_mbit = 1\n\n', "", 1), "lacks `role`"),
+        (TWO_NODES.format(a=0, b=1), "up_mbit must be a positive number"),
+        (TWO_NODES.format(a='"fast"', b=1), "up_mbit must be a positive number"),
+        (TWO_NODES.format(a=1, b=1).replace('"full"', '"boss"', 1), "role 'boss' is not one of"),
+        (TWO_NODES.format(a=1, b=1).replace('"b"', '"a"'), "repeated: a"),
+        (TWO_NODES.format(a=1, b=1).replace('"b"', '"hub"'), "name 'hub' must match"),
+        (TWO_NODES.format(a=1, b=1).replace('"b"', '"no spaces"'), "name 'no spaces' must match"),
+        (TWO_NODES.format(a=1, b=1) + "cpus = [4096]\n", "cpus must be a non-empty list of core numbers"),
+        (TWO_NODES.format(a=1, b=1) + "memory_gb = 0\n", "memory_gb must be a positive number of GB"),
+        (TWO_NODES.format(a=1, b=1).split("\n\n")[0], "at least two [[node]] tables"),
+        ("[bootstrap]\nup_mbit = -1\n" + TWO_NODES.format(a=1, b=1), "[bootstrap] up_mbit must be a positive"),
+    ],
+)
+def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(TopologyError, match=r"topology lab\.toml: ") as error:
+        parse_topology(text, "lab", "lab.toml")
+    assert message in str(error.value)
+
+
+def test_a_missing_topology_names_the_bundled_ones() -> None:
+    with pytest.raises(TopologyError, match=r"no such file, nor a bundled topology .*edge-only, hetero, uniform"):
+        load_topology(Path("nowhere.toml"))
+
+
+# ----------------------------------------------------------------------------------------------- command lines
+
+
+def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
+    cfg = BenchConfig(preset="tiny", rounds=2, inner_steps=5, subspace_rank=8)
+    hetero = load_topology(Path("hetero"))
+
+    def after(argv: list[str], option: str) -> str:
+        return argv[argv.index(option) + 1]
+
+    diloco = bootstrap_argv(cfg, "diloco", "10.0.0.1", "b.id")
+    assert (after(diloco, "--outer"), after(diloco, "--diloco-wire"), after(diloco, "--inner-steps")) == (
+        "diloco", "fp32", "5",
+    )  # fmt: skip
+    assert "--activation-compression" not in diloco and "--subspace-rank" not in diloco
+    compress_all = bootstrap_argv(cfg, "compress-all", "10.0.0.1", "b.id")
+    assert (after(compress_all, "--activation-compression"), after(compress_all, "--subspace-rank")) == (
+        "compress-all", "8",
+    )  # fmt: skip
+    edge = join_argv(cfg, "sparseloco", hetero, 2, "10.0.0.4", "/ip4/x", "edge0.jsonl")
+    assert (after(edge, "--role"), after(edge, "--bandwidth-mbps"), after(edge, "--min-peers")) == ("full", "50", "4")
+    assert after(join_argv(cfg, "hetero", hetero, 2, "10.0.0.4", "/ip4/x", "m"), "--role") == "auto"
+    assert expected_replicas("hetero", hetero, 2) == 3  # the datacenter nodes, and the edge nodes' pipeline
+    assert expected_replicas("compress-all", hetero, 2) == 2
+    assert after(join_argv(cfg, "hetero", hetero, 2, "10.0.0.4", "/ip4/x", "m"), "--memory-gb") == "0.3"
+    assert "--memory-gb" not in edge  # a pinned full replica: the cap is the planner's business only
+    measured = join_argv(BenchConfig(measure_bandwidth=True), "hetero", hetero, 0, "10.0.0.2", "/ip4/x", "m")
+    assert "--remeasure-bandwidth" in measured and "--bandwidth-mbps" not in measured
+    ddp = ddp_argv(cfg, 1, 4, "10.0.0.2", "dc1.jsonl")
+    assert (after(ddp, "--rank"), after(ddp, "--world-size"), after(ddp, "--master")) == ("1", "4", "10.0.0.2:29500")
+    assert after(ddp, "--rounds") == "2"
+
+
+def test_bench_config_rejects_unknown_methods() -> None:
+    assert BenchConfig().method_list == METHODS
+    with pytest.raises(ConfigError, match="--methods 'ddp,fedavg'"):
+        BenchConfig(methods="ddp,fedavg")
+
+
+# ------------------------------------------------------------------------------------------------------ report
+
+
+def synthetic_round(r: int, at_s: float, swarm_sent: int, loss: float | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "round": r, "inner_steps": 10, "tokens": 1000, "train_loss": 5.0, "eval_loss": loss, "bytes_sent": 100,
+        "bytes_received": 100, "compute_s": 8.0, "comm_s": 2.0, "fingerprints": {}, "group_size": 3,
+        "observed": {"at_s": at_s, "wire_bytes_sent": 0, "wire_bytes_received": 0,
+                     "swarm_wire_bytes_sent": swarm_sent},
+        **extra,
+    }  # fmt: skip
+
+
+def synthetic_node(name: str, role: str, vr: int | None, losses: list[float | None], **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name, "requested_role": "auto", "wire_bytes_sent": 4000, "wire_bytes_received": 5000,
+        "header": {"role": role, "vr": vr},
+        "rounds": [synthetic_round(i, 20.0 + 10 * i, 1000 * (i + 1), loss, **extra) for i, loss in enumerate(losses)],
+    }  # fmt: skip
+
+
+def synthetic_run(method: str, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "method": method, "topology": "hetero", "status": "ok", "elapsed_s": 50.0, "edge_nodes": ["edge0", "edge1"],
+        "config": {"preset": "tiny", "rounds": 2, "inner_steps": 10, "batch_size": 4, "seq_len": 25, "stages": 2,
+                   "subspace_rank": 0, "lr": 0.002},
+        "bootstrap": {"wire_bytes_sent": 2000, "wire_bytes_received": 0}, "nodes": nodes,
+    }  # fmt: skip
+
+
+def test_report_from_runs_splits_virtual_replica_tokens_and_writes_table_and_plots(tmp_path: Path) -> None:
+    hetero = synthetic_run("hetero", [
+        synthetic_node("dc0", "full", None, [4.0, 3.0]),
+        synthetic_node("dc1", "full", None, [4.2, 3.2]),
+        synthetic_node("edge0", "stage", 0, [None, None], boundary_bytes_sent=50),
+        synthetic_node("edge1", "stage", 0, [4.1, 3.1], boundary_bytes_sent=50),
+    ])  # fmt: skip
+    ddp = synthetic_run("ddp", [synthetic_node(n, "ddp", None, [3.9, 2.9]) for n in ("dc0", "dc1", "edge0", "edge1")])
+    path = write_report([ddp, hetero], tmp_path)
+
+    report = json.loads(path.read_text())
+    assert report["scenario"]["topology"] == "hetero" and report["scenario"]["inner_steps"] == 10
+    m = report["methods"]["hetero"]
+    assert m["final_eval_loss"] == pytest.approx(3.1)  # mean over the nodes that evaluated the last round
+    assert m["wall_s"] == 30.0 and m["tokens"] == 6000  # the virtual replica's 2000 tokens per node count once
+    assert m["edge_token_share"] == pytest.approx(2000 / 6000)
+    assert m["wire_bytes_sent"] == 4 * 4000 + 2000
+    assert m["bytes_per_token"] == pytest.approx(18000 / 6000)
+    edge = m["nodes"]["edge1"]
+    assert (edge["role"], edge["tokens"], edge["reported_bytes_sent"], edge["edge"]) == ("stage", 1000, 300, True)
+    assert edge["wall_s"] == 20.0 and edge["compute_utilisation"] == pytest.approx(16 / 20)
+    assert [p["wire_bytes_sent"] for p in m["curve"]] == [1000, 2000]
+    assert report["methods"]["ddp"]["edge_token_share"] == pytest.approx(0.5)
+
+    assert m["rounds_not_aggregated"] == 0 and m["outer_bytes_per_round_per_node"] == 100
+    assert m["outer_message_bytes"] == 50  # 100 bytes a round, fetched by the 2 other members of a group of 3
+    met = {t["target"]: (t["measured"], t["met"]) for t in report["targets"]}
+    assert met["hetero's final eval loss within 3% of ddp's (ratio)"] == (pytest.approx(3.1 / 2.9), False)
+    assert met["hetero: edge nodes contribute ≥ 25% of the swarm's tokens"] == (pytest.approx(1 / 3), True)
+    assert met["sparseloco sends ≥ 30× fewer bytes per round than fp32 diloco (counted, per receiving peer)"] == (
+        None,
+        None,
+    )
+
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| hetero's final eval loss within 3% of ddp's (ratio) | 1.069 | no |" in markdown
+    assert "| hetero | swarm | ok | 3.1000 | 30.0 |" in markdown
+    assert "| hetero | edge1 (edge) | stage |" in markdown
+    for plot in (LOSS_VS_WALL, LOSS_VS_BYTES):
+        assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_only_rebuilds_from_raw_runs_and_says_when_there_are_none(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    cfg = BenchConfig(methods="ddp,hetero", report_only=True, out=tmp_path)
+    with pytest.raises(HeteroNodeError, match="no raw runs of ddp, hetero"):
+        run_bench(cfg)
+    run = synthetic_run("ddp", [synthetic_node("dc0", "ddp", None, [3.0])])
+    (tmp_path / "runs" / "ddp.json").write_text(json.dumps(run))
+    report = json.loads(run_bench(cfg).read_text())
+    assert list(report["methods"]) == ["ddp"] and report["methods"]["ddp"]["final_eval_loss"] == 3.0
+    (tmp_path / "runs" / "hetero.json").write_text("{truncated")
+    with pytest.raises(HeteroNodeError, match=r"hetero\.json: not a benchmark run"):
+        run_bench(cfg)
+
+
+# -------------------------------------------------------------------------------------------------- lab runs
+
+UNAVAILABLE = netns_unavailable_reason()
+needs_lab = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespaces unavailable: {UNAVAILABLE}")
+TINY = {"preset": "tiny", "rounds": 1, "inner_steps": 3, "batch_size": 4, "seq_len": 64, "stall_timeout_s": 120.0}
+
+
+def my_namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"{LAB_PREFIX}{os.getpid()}-")]
+
+
+def two_node_topology(tmp_path: Path, mbit: float) -> Topology:
+    path = tmp_path / "two.toml"
+    path.write_text(TWO_NODES.format(a=mbit, b=mbit))
+    return load_topology(path)
+
+
+@needs_lab
+@pytest.mark.usefixtures("bundled_cache_dir")
+@pytest.mark.timeout(180)
+def test_a_ddp_lab_run_is_held_to_the_shaped_rate_and_its_counters_see_the_all_reduce(tmp_path: Path) -> None:
+    run = run_method(BenchConfig(**TINY), two_node_topology(tmp_path, 20), "ddp", tmp_path / "run")
+    assert my_namespaces() == []
+    assert run["status"] == "ok", run["errors"]
+    for node in run["nodes"]:
+        (record,) = node["rounds"]
+        assert record["eval_loss"] is not None and record["allreduce_bytes"] > 0
+        required = {f.name for f in fields(RoundRecord) if f.default is MISSING and f.default_factory is MISSING}
+        assert required <= set(record), "ddp's metrics lines must carry every key a node's do"
+        # two ranks: a ring all-reduce sends the whole buffer once per step; tbf caps it at 20 Mbit/s
+        mbit = record["bytes_sent"] * 8 / record["comm_s"] / 1e6
+        assert 0.3 * 20 <= mbit <= 1.1 * 20, f"{node['name']} all-reduced at {mbit:.1f} Mbit/s on a 20 Mbit/s link"
+        assert record["bytes_sent"] <= node["wire_bytes_sent"] <= 1.2 * record["bytes_sent"] + 1_000_000
+        assert record["bytes_received"] <= node["wire_bytes_received"] <= 1.2 * record["bytes_received"] + 1_000_000
+
+
+@needs_lab
+@pytest.mark.usefixtures("bundled_cache_dir")
+@pytest.mark.timeout(180)
+def test_a_swarm_lab_run_completes_a_round_and_counts_every_link(tmp_path: Path) -> None:
+    run = run_method(BenchConfig(**TINY), two_node_topology(tmp_path, 50), "sparseloco", tmp_path / "run")
+    assert my_namespaces() == []
+    assert run["status"] == "ok", run["errors"]
+    assert run["bootstrap"]["wire_bytes_sent"] > 0
+    for node in run["nodes"]:
+        (record,) = node["rounds"]
+        assert node["header"]["role"] == "full" and record["group_size"] == 2
+        assert record["eval_loss"] is not None and record["observed"]["at_s"] > 0
+        assert 0 < record["bytes_sent"] < node["wire_bytes_sent"]  # the wire also carries the DHT and headers
+
+
+@needs_lab
+@pytest.mark.timeout(120)
+def test_a_failing_run_is_reported_with_its_log_and_leaves_no_namespace(tmp_path: Path) -> None:
+    cfg = BenchConfig(**{**TINY, "seq_len": 4096})  # longer than tiny's max_seq_len: the bootstrap refuses
+    run = run_method(cfg, two_node_topology(tmp_path, 50), "sparseloco", tmp_path / "run")
+    assert my_namespaces() == []
+    assert run["status"] == "failed" and run["nodes"] == []
+    assert any("--seq-len 4096" in line for line in run["errors"]["bootstrap"])
