@@ -27,7 +27,7 @@ from hetero_node.bench.commands import bootstrap_argv, ddp_argv, join_argv, node
 from hetero_node.bench.config import BenchConfig
 from hetero_node.bench.netns import NODE_IF, LabNode, NetLab
 from hetero_node.bench.topology import NodeSpec, Topology
-from hetero_node.bootstrap.node import JOIN_LINE
+from hetero_node.bootstrap.join_line import JOIN_LINE
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import re
 import threading
 from functools import partial
 from importlib.metadata import version
@@ -28,14 +27,6 @@ from hetero_node.protocol.signing import load_or_create_signing_key, signing_key
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
-
-JOIN_LINE = re.compile(r"hetero-node join --peers\s+(\S+)")
-"""Finds the address in a bootstrap's printed join line (the demo, the tests and the benchmark start from it)."""
-
-
-def join_line(address: str) -> str:
-    """What a bootstrap prints for volunteers to copy."""
-    return f"hetero-node join --peers {address}"
 
 
 class BootstrapNode:

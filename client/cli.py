@@ -187,7 +187,8 @@ def bootstrap(
     config: Path | None = RUN_FILE_OPTION,
 ) -> None:
     """Run a bootstrap node: a stable entry point that announces the run (signed) to everyone who joins."""
-    from hetero_node.bootstrap.node import BootstrapNode, join_line
+    from hetero_node.bootstrap.join_line import join_line
+    from hetero_node.bootstrap.node import BootstrapNode
     from hetero_node.client.run_definition import data_source_name
     from hetero_node.client.run_setup import prepare_run
 

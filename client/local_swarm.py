@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetero_node.bootstrap.node import JOIN_LINE
+from hetero_node.bootstrap.join_line import JOIN_LINE
 from hetero_node.protocol.errors import HeteroNodeError
 
 
