@@ -36,6 +36,36 @@ BOOTSTRAP_START_S = 120.0
 LOG_TAIL_LINES = 20
 
 
+class MetricsTail:
+    """Follows a node's metrics JSONL while the node appends to it: each call returns only what is new."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def read_new(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """(the last header line seen now, or None; the round lines appended since the last call). A line still
+        being written waits for the next call; a line that is not JSON is skipped with a warning."""
+        if not self.path.exists():
+            return None, []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        header, fresh = None, []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("%s: skipping a line that is not JSON: %.80s", self.path, line)
+                continue
+            if isinstance(obj, dict) and "header" in obj:
+                header = obj["header"]
+            elif isinstance(obj, dict):
+                fresh.append(obj)
+        return header, fresh
+
+
 @dataclass
 class _Process:
     """A started lab process and what the harness has seen of it."""
@@ -47,29 +77,18 @@ class _Process:
     spec: NodeSpec | None = None
     header: dict[str, Any] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
-    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self.tail = MetricsTail(self.metrics)
 
     @property
     def metrics(self) -> Path:
         return self.log.with_suffix(".jsonl")
 
     def new_rounds(self) -> list[dict[str, Any]]:
-        """Round lines the node appended to its metrics file since the last call (a header line updates
-        `header`); a line still being written waits for the next call."""
-        if not self.metrics.exists():
-            return []
-        with open(self.metrics, "rb") as f:
-            f.seek(self.read_offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        self.read_offset += len(complete)
-        fresh = []
-        for line in complete.decode(errors="replace").splitlines():
-            obj = json.loads(line)
-            if "header" in obj:
-                self.header = obj["header"]
-            else:
-                fresh.append(obj)
+        """Round lines the node appended to its metrics file since the last call."""
+        header, fresh = self.tail.read_new()
+        self.header = header or self.header
         self.rounds += fresh
         return fresh
 

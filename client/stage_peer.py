@@ -279,6 +279,7 @@ class StagePeer:
     def _wait_for_pipeline(self, t: int) -> bool:
         """Until the VR is whole and in round t (see the module docstring); False to skip the round (the swarm
         moved past it, our slot was reassigned, or we are stopping)."""
+        told: tuple[int, ...] = ()
         while not self.stop.is_set():
             records = self._records()
             if self._swarm_round(records) > t:  # the run loop catches up once θ(t) is restored
@@ -290,7 +291,14 @@ class StagePeer:
             self.neighbours = {s: pid for s, (pid, _) in mates.items()}
             previous, next_ = self.neighbours.get(self.shard - 1), self.neighbours.get(self.shard + 1)
             self.inbox.expect_round(Expectation(self.vr, self.shard, t, previous, next_))
-            whole = all(s in mates for s in range(self.n_stages))
+            missing = tuple(s for s in range(self.n_stages) if s not in mates)
+            whole = not missing
+            if missing and missing != told:  # said once per change, not every poll
+                logger.warning(
+                    "vr %d round %d: no peer serves stage %s; this virtual replica does not contribute until one "
+                    "takes the slot", self.vr, t, ", ".join(map(str, missing)),
+                )  # fmt: skip
+            told = missing
             if self.stage.first:
                 if whole and all(r.get("round") == t for _, r in mates.values()):
                     return True

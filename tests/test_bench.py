@@ -18,7 +18,7 @@ import pytest
 
 from hetero_node.bench.commands import bootstrap_argv, ddp_argv, expected_replicas, join_argv
 from hetero_node.bench.config import METHODS, BenchConfig
-from hetero_node.bench.lab_run import run_method
+from hetero_node.bench.lab_run import MetricsTail, run_method
 from hetero_node.bench.netns import LAB_PREFIX, netns_unavailable_reason
 from hetero_node.bench.report import LOSS_VS_BYTES, LOSS_VS_WALL, write_report
 from hetero_node.bench.suite import run_bench
@@ -219,6 +219,18 @@ def test_report_only_rebuilds_from_raw_runs_and_says_when_there_are_none(tmp_pat
     (tmp_path / "runs" / "hetero.json").write_text("{truncated")
     with pytest.raises(HeteroNodeError, match=r"hetero\.json: not a benchmark run"):
         run_bench(cfg)
+
+
+def test_metrics_tail_returns_only_complete_new_lines_and_skips_garbage(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read_new() == (None, [])  # the node has not started writing
+    path.write_text('{"header": {"role": "full"}}\n{"round": 0}\n{"round": 1, "eval')
+    assert tail.read_new() == ({"role": "full"}, [{"round": 0}])  # round 1 is still being written
+    with open(path, "a") as f:
+        f.write('_loss": 2.5}\nnot json\n[1, 2]\n{"round": 2}\n')
+    assert tail.read_new() == (None, [{"round": 1, "eval_loss": 2.5}, {"round": 2}])
+    assert tail.read_new() == (None, [])
 
 
 # -------------------------------------------------------------------------------------------------- lab runs

@@ -114,7 +114,8 @@ def test_killed_stage_is_replaced_and_the_virtual_replica_contributes_again(tmp_
         # the run is 200 rounds long: stop it here (LocalSwarm kills each process group, p2pd included)
     together = repaired_rounds(tmp_path)
     assert len(together) >= 2, f"the repaired virtual replica did not contribute again:\n{round_table(tmp_path)}"
-    assert "this virtual replica does not contribute this round" in (tmp_path / "s0.log").read_text()
+    # the kill lands mid-round (stage 0 gives the round up) or between rounds (stage 0 waits for the slot)
+    assert "this virtual replica does not contribute" in (tmp_path / "s0.log").read_text()
     assert "differs from the group's" not in (tmp_path / "r0.log").read_text(), "the repaired VR started off-state"
     assert "loaded the swarm's state" in (tmp_path / "s1b.log").read_text()
     full, s0, replacement = (rounds_of(tmp_path, i) for i in (FULL, STAGE0, 21))
