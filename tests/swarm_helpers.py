@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hetero_node.client.local_swarm import LocalSwarm
-from hetero_node.client.metrics import read_metrics
+from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.client.roles.metrics import read_metrics
 
 
 def options(**values: str) -> list[str]:

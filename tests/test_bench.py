@@ -23,7 +23,7 @@ from hetero_node.bench.netns import LAB_PREFIX, netns_unavailable_reason
 from hetero_node.bench.report import LOSS_VS_BYTES, LOSS_VS_WALL, write_report
 from hetero_node.bench.suite import run_bench
 from hetero_node.bench.topology import Topology, TopologyError, load_topology, parse_topology
-from hetero_node.client.metrics import RoundRecord
+from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 
 TWO_NODES = """

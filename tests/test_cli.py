@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hetero_node.client.cli import app, main
+from hetero_node.client.cli.app import app, main
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "hetero-node"
 

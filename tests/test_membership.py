@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from hetero_node.client.local_swarm import LocalSwarm
-from hetero_node.client.metrics import read_metrics
-from hetero_node.client.run_definition import fetch_run_announcement
-from hetero_node.client.status import swarm_snapshot
-from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.client.cli.status import swarm_snapshot
+from hetero_node.client.node.run_definition import fetch_run_announcement
+from hetero_node.client.roles.metrics import read_metrics
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import peers_key
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(300)]

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetero_node.client.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from hetero_node.client.demo import DemoConfig, summarize
-from hetero_node.client.join import role_for_run
-from hetero_node.client.outer_sync import majority_fingerprint
-from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
+from hetero_node.client.cli.demo import DemoConfig, summarize
+from hetero_node.client.node.join import role_for_run
+from hetero_node.client.outer.shard_sync import majority_fingerprint
+from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
 
@@ -117,7 +117,7 @@ def test_join_through_an_unreachable_bootstrap_is_a_clear_error() -> None:
 def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
     from rich.console import Console
 
-    from hetero_node.client.status import render
+    from hetero_node.client.cli.status import render
 
     peer = {
         "peer_id": "QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z", "role": "stage", "vr": 0, "stage": 1,
@@ -137,7 +137,7 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
 
 def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Path) -> None:
     from hetero_node.client.config import RunOptions
-    from hetero_node.client.run_definition import apply_run_file, load_run_file
+    from hetero_node.client.node.run_definition import apply_run_file, load_run_file
     from hetero_node.protocol.run_config import OptimConfig, OuterConfig, SparseLoCoConfig
 
     run_file = tmp_path / "run.toml"

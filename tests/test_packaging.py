@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from hetero_node.client.cli import app
+from hetero_node.client.cli.app import app
 from hetero_node.models.paths import CACHE_ENV_VAR
 
 tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
@@ -56,7 +56,7 @@ def test_docker_install_command_is_the_readme_one() -> None:
 
 def test_docker_entrypoint_is_the_console_script_the_readme_runs() -> None:
     assert list(console_scripts()) == ["hetero-node"]
-    assert console_scripts()["hetero-node"] == "hetero_node.client.cli:main"
+    assert console_scripts()["hetero-node"] == "hetero_node.client.cli.app:main"
     entrypoints = [json.loads(args) for i, args in dockerfile() if i == "ENTRYPOINT"]
     assert entrypoints == [["hetero-node"]]
 
@@ -115,4 +115,4 @@ def test_wheel_ships_proto_sources_and_console_script(tmp_path: Path) -> None:
     protos = sorted(p.name for p in (ROOT / "protocol").glob("*.proto"))
     assert protos and all(f"hetero_node/protocol/{p}" in names for p in protos)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "hetero-node = hetero_node.client.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "hetero-node = hetero_node.client.cli.app:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

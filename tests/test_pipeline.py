@@ -20,9 +20,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from hetero_node.client.pipeline_stage import PipelineStage, boundary_format
-from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
-from hetero_node.client.stage_link import (
+from hetero_node.client.roles.pipeline_stage import PipelineStage, boundary_format
+from hetero_node.client.roles.stage_link import (
     BACKWARD,
     EVAL,
     FORWARD,
@@ -34,7 +33,8 @@ from hetero_node.client.stage_link import (
     microbatch_sizes,
     wire,
 )
-from hetero_node.client.swarm_view import (
+from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
+from hetero_node.client.swarm.view import (
     expected_group_size,
     replica_count,
     shard_donors,

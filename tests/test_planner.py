@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetero_node.client.planner import (
+from hetero_node.client.swarm.planner import (
     ROLE_FULL,
     ROLE_JOINING,
     ROLE_STAGE,

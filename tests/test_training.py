@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from hetero_node.client.config import OptimConfig, TrainConfig
-from hetero_node.client.local_train import TrainProgress, run_local_training
+from hetero_node.client.roles.local_train import TrainProgress, run_local_training
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import build_token_store
 from hetero_node.models.tokenizer import load_tokenizer

@@ -9,7 +9,8 @@ from __future__ import annotations
 import struct
 import sys
 
-from hetero_node.client import cli, outer_sync
+from hetero_node.client.cli import app
+from hetero_node.client.outer import shard_sync
 from hetero_node.protocol import sparse_codec
 
 MODE = sys.argv.pop(1)
@@ -29,5 +30,5 @@ def corrupted_encode(msg: object) -> bytes:
     raise SystemExit(f"unknown fault {MODE}")
 
 
-outer_sync.sparse_codec.encode = corrupted_encode  # the node's encoder; decode stays honest
-cli.main()
+shard_sync.sparse_codec.encode = corrupted_encode  # the node's encoder; decode stays honest
+app.main()

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from hetero_node.client.checkpoint import load_checkpoint, save_checkpoint
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.membership import Membership
-from hetero_node.client.metrics import MetricsWriter, RoundRecord
-from hetero_node.client.outer_sync import ShardOutcome, ShardSync
-from hetero_node.client.shard_state import FIXED, ShardStates, state_fingerprint
-from hetero_node.client.swarm_runtime import PeerRuntime
-from hetero_node.client.swarm_view import expected_group_size, full_replicas, replica_count
+from hetero_node.client.outer.shard_state import FIXED, ShardStates, state_fingerprint
+from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
+from hetero_node.client.roles.checkpoint import load_checkpoint, save_checkpoint
+from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord
+from hetero_node.client.swarm.membership import Membership
+from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.client.swarm.view import expected_group_size, full_replicas, replica_count
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors

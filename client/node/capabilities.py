@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from hetero_node.client.planner import Requirements
+from hetero_node.client.swarm.planner import Requirements
 from hetero_node.models.config import get_preset
 from hetero_node.models.memory import full_and_stage_memory
 from hetero_node.models.shards import shard_parameter_names

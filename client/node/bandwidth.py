@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.probe import MAX_PROBE_BYTES, PROBE_DOWNLOAD, PROBE_PIECE_BYTES, PROBE_UPLOAD, wire
 
 logger = logging.getLogger(__name__)

@@ -14,15 +14,14 @@ from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
-from hetero_node.client.bandwidth import node_bandwidth
-from hetero_node.client.capabilities import measure_throughput, probe_hardware, run_requirements
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.membership import Membership
-from hetero_node.client.metrics import RoundRecord
-from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING, Requirements
-from hetero_node.client.run_definition import adopt_announced_run, fetch_run_announcement
-from hetero_node.client.run_setup import prepare_run
-from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.node.bandwidth import node_bandwidth
+from hetero_node.client.node.capabilities import measure_throughput, probe_hardware, run_requirements
+from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
+from hetero_node.client.roles.metrics import RoundRecord
+from hetero_node.client.swarm.membership import Membership
+from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_JOINING, Requirements
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError
@@ -100,8 +99,8 @@ def run_node(
     on_round: Callable[[RoundRecord], None] | None = None,
 ) -> None:
     """See the module docstring; blocks until the run ends or a signal asks the node to leave."""
-    from hetero_node.client.full_replica import FullReplica  # after the cheap checks: torch-heavy
-    from hetero_node.client.stage_peer import StagePeer
+    from hetero_node.client.roles.full_replica import FullReplica  # after the cheap checks: torch-heavy
+    from hetero_node.client.roles.stage_peer import StagePeer
 
     runtime = PeerRuntime(node.peers, node.host, node.port, node.identity)
     stop = threading.Event()

@@ -13,8 +13,8 @@ import logging
 import threading
 from typing import Any
 
-from hetero_node.client.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, PeerInfo, Plan, Requirements, plan
-from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, PeerInfo, Plan, Requirements, plan
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -32,13 +32,11 @@ from typing import Any
 import torch
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.membership import Membership
-from hetero_node.client.metrics import MetricsWriter, RoundRecord
-from hetero_node.client.outer_sync import ShardOutcome, ShardSync
-from hetero_node.client.pipeline_stage import PipelineStage
-from hetero_node.client.planner import ROLE_STAGE
-from hetero_node.client.shard_state import FIXED, ShardStates, state_fingerprint
-from hetero_node.client.stage_link import (
+from hetero_node.client.outer.shard_state import FIXED, ShardStates, state_fingerprint
+from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
+from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord
+from hetero_node.client.roles.pipeline_stage import PipelineStage
+from hetero_node.client.roles.stage_link import (
     BACKWARD,
     EVAL,
     FORWARD,
@@ -50,8 +48,10 @@ from hetero_node.client.stage_link import (
     microbatch_sizes,
     wire,
 )
-from hetero_node.client.swarm_runtime import PeerRuntime
-from hetero_node.client.swarm_view import expected_group_size, replica_count, shard_donors
+from hetero_node.client.swarm.membership import Membership
+from hetero_node.client.swarm.planner import ROLE_STAGE
+from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.client.swarm.view import expected_group_size, replica_count, shard_donors
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors

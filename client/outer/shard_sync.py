@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
-from hetero_node.client.shard_averager import ShardAverager
-from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.outer.averager import ShardAverager
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol import dense_codec, sparse_codec
 from hetero_node.protocol.aggregation import aggregate
 from hetero_node.protocol.errors import PayloadError

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hetero_node.client.swarm_runtime import BLOB_PIECE_BYTES, PeerRuntime
+from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, PeerRuntime
 from hetero_node.protocol import boundary_codec as codec
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.keys import stage_handler_name

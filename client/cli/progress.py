@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from hetero_node.client.local_train import ProgressCallback, TrainProgress, TrainSummary
+from hetero_node.client.roles.local_train import ProgressCallback, TrainProgress, TrainSummary
 
 
 @contextmanager

@@ -15,9 +15,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from hetero_node.client.planner import ROLE_FULL, ROLE_STAGE
-from hetero_node.client.run_definition import fetch_run_announcement
-from hetero_node.client.swarm_runtime import PeerRuntime, parse_peer_multiaddrs
+from hetero_node.client.node.run_definition import fetch_run_announcement
+from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_STAGE
+from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
 from hetero_node.protocol.errors import ConfigError
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hetero_node.client.checkpoint import from_bytes, to_bytes
-from hetero_node.client.swarm_runtime import PeerRuntime
+from hetero_node.client.roles.checkpoint import from_bytes, to_bytes
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 

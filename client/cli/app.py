@@ -24,10 +24,10 @@ from rich.markup import escape
 
 from hetero_node.bench.config import BenchConfig, DDPWorkerConfig
 from hetero_node.bootstrap.config import BootstrapConfig
+from hetero_node.client.cli.demo import DemoConfig
+from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
-from hetero_node.client.demo import DemoConfig
-from hetero_node.client.metrics import RoundRecord
-from hetero_node.client.options import expand_dataclass_options, explicit_options
+from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
@@ -94,8 +94,8 @@ def train(
     report: Path | None = typer.Option(None, "--report", help="Also write the run summary to this JSON file."),
 ) -> None:
     """Train a model in this process alone: the quality baseline, and a check that this machine works."""
-    from hetero_node.client.local_train import run_local_training  # torch: imported only when it is needed
-    from hetero_node.client.progress import print_table, train_summary_rows, training_progress
+    from hetero_node.client.cli.progress import print_table, train_summary_rows, training_progress
+    from hetero_node.client.roles.local_train import run_local_training  # torch: imported only when it is needed
 
     if report is not None and not report.parent.is_dir():  # fail now, not after the whole run
         raise ConfigError(f"--report {report}: directory {report.parent} does not exist")
@@ -156,7 +156,7 @@ def _run_configs(
 ) -> tuple[dict[str, object], set[str]]:
     """The run definition from defaults, `--config run.toml` and explicit options (which win), and which
     options were explicit."""
-    from hetero_node.client.run_definition import apply_run_file, load_run_file
+    from hetero_node.client.node.run_definition import apply_run_file, load_run_file
 
     explicit = explicit_options(context)
     configs: dict[str, object] = {
@@ -189,8 +189,7 @@ def bootstrap(
     """Run a bootstrap node: a stable entry point that announces the run (signed) to everyone who joins."""
     from hetero_node.bootstrap.join_line import join_line
     from hetero_node.bootstrap.node import BootstrapNode
-    from hetero_node.client.run_definition import data_source_name
-    from hetero_node.client.run_setup import prepare_run
+    from hetero_node.client.node.run_definition import data_source_name, prepare_run
 
     configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     run, _store = prepare_run(*configs.values())
@@ -223,8 +222,8 @@ def join(
     quiet: bool = typer.Option(False, "--quiet", help="No live status line (for logs and scripts)."),
 ) -> None:
     """Join a swarm: learn its run from the bootstrap, measure this node, take the role that helps most, train."""
-    from hetero_node.client.join import run_node
-    from hetero_node.client.swarm_runtime import parse_peer_multiaddrs
+    from hetero_node.client.node.join import run_node
+    from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
 
     if not node.peers:
         raise ConfigError("--peers is required: the multiaddr printed by `hetero-node bootstrap`")
@@ -259,7 +258,7 @@ def status(
     watch: float = typer.Option(0.0, "--watch", help="Refresh every N seconds until Ctrl-C (0: show once)."),
 ) -> None:
     """Show the swarm: peers, roles, virtual replicas and their missing stages, rounds and losses."""
-    from hetero_node.client.status import show_status
+    from hetero_node.client.cli.status import show_status
 
     show_status(peers, run_id, as_json, watch, console)
 
@@ -268,8 +267,8 @@ def status(
 @expand_dataclass_options
 def demo(cfg: DemoConfig) -> None:
     """Run a local swarm on this machine: a bootstrap and N full replicas, live table, summary, optional report."""
-    from hetero_node.client.demo import run_demo
-    from hetero_node.client.progress import print_table
+    from hetero_node.client.cli.demo import run_demo
+    from hetero_node.client.cli.progress import print_table
 
     report = run_demo(cfg, console)
     summary = report["summary"]
@@ -295,7 +294,7 @@ def bench(cfg: BenchConfig) -> None:
 def ddp_rank(run_options: RunOptions, outer: OuterConfig, optim: OptimConfig, worker: DDPWorkerConfig) -> None:
     """One rank of the benchmark's ddp baseline (`hetero-node bench` starts one per lab node)."""
     from hetero_node.bench.ddp import train
-    from hetero_node.client.run_setup import prepare_run
+    from hetero_node.client.node.run_definition import prepare_run
 
     run, store = prepare_run(run_options, outer, optim, SparseLoCoConfig(), PipelineConfig())
     train(run, store, worker)
@@ -307,7 +306,3 @@ def _format(value: object) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hetero_node.client.planner import ROLE_FULL, ROLE_STAGE
+from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_STAGE
 
 Records = dict[str, dict[str, Any]]
 
