@@ -103,6 +103,10 @@ class NodeConfig:
     min_peers: int = field(
         default=1, metadata={"help": "Before the first round, wait (up to 5 min) until this many replicas are online."}
     )
+    step_delay_s: float = field(
+        default=0.0,
+        metadata={"help": "Sleep this long after every inner step: a slower machine, for tests and labs."},
+    )
 
     def __post_init__(self) -> None:
         require_positive(self, "eval_every", "eval_batches", "record_refresh_s", "settle_s", "min_peers")
@@ -110,6 +114,8 @@ class NodeConfig:
             value = getattr(self, name)
             if value is not None and not (0 < value < 1e6):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+        if not (0 <= self.step_delay_s < 3600):
+            raise ConfigError(f"--step-delay-s must be in [0, 3600), got {self.step_delay_s}")
         if not 0 <= self.port < 65536 or self.linger_s < 0:
             raise ConfigError(
                 f"--port must be in 0..65535 and --linger-s not negative, got {self.port}, {self.linger_s}"

@@ -1,15 +1,25 @@
-"""Reference aggregation of SparseLoCo contributions (method.md §1.3, algorithms-notes §1.5).
+"""Reference aggregation of SparseLoCo contributions, weighted by the tokens each replica trained.
 
-Given every replica's `SparseMessage` for one parameter shard, the outer step uses, per coordinate, the
-mean over the replicas that selected that coordinate (not the sum over all replicas divided by R), after
-scaling each contribution down to at most the median contribution norm so that no one peer dominates.
-Coordinates nobody selected stay 0. Malformed or non-finite contributions are dropped, not fatal.
+Given every replica's `SparseMessage` for one parameter shard and its weight w_r (the tokens it trained this
+round; rounds are time-boxed, so a fast replica trains more than a slow one), the outer step uses, per
+coordinate j, the weighted mean over the replicas r that selected j:
 
-Every peer must reach the same bits, so the result depends only on the contributions and their order:
-callers pass contributions in a canonical order (e.g. sorted by peer id). Norms are computed exactly
-rounded in float64 (`math.fsum` over the four decoded values of each tensor, weighted by how often each
-code occurs), so the clip factors do not depend on the CPU's summation order; the per-coordinate sums
-are plain fp32 additions in contribution order.
+    agg_j = Σ_{r selects j} w_r · f_r · x_rj  /  Σ_{r selects j} w_r
+
+Coordinates nobody selected stay 0. Before that, each contribution is clipped (factor f_r ≤ 1) so that its norm
+per token is at most the median norm per token: f_r = min(1, median_s(n_s / w_s) · w_r / (n_r + ε)). A replica
+that trained three times the tokens may send a pseudo-gradient three times as large (it did three times the
+work), but no one peer can push more per token than the median peer does. With equal weights this is exactly the
+reference code's rule (clip to the median norm, then the plain mean over selectors).
+
+Weights are normalised to w_r / max_s w_s (float64), so the rule does not depend on the unit (tokens or steps).
+Malformed or non-finite contributions, and non-positive weights, are dropped, not fatal.
+
+Every peer must reach the same bits, so the result depends only on the contributions, their weights and their
+order: callers pass contributions in a canonical order (sorted by peer id). Norms are computed exactly rounded
+in float64 (`math.fsum` over the four decoded values of each tensor, weighted by how often each code occurs), so
+the clip factors do not depend on the CPU's summation order; the per-coordinate sums are plain fp32 additions
+in contribution order.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,6 +53,8 @@ class AggregateResult:
     """(position, reason) of each contribution left out."""
     clip_factors: list[float]
     """The factor each used contribution was scaled by, aligned with `used`."""
+    weights: list[float] = field(default_factory=list)
+    """The normalised weight of each used contribution, aligned with `used`."""
 
 
 def contribution_norm(msg: SparseMessage) -> float:
@@ -68,37 +80,48 @@ def lower_median(values: Sequence[float]) -> float:
 def aggregate(
     contributions: Sequence[SparseMessage],
     shapes: Sequence[Sequence[int]],
+    weights: Sequence[float] | None = None,
     peer_ids: Sequence[str] | None = None,
 ) -> AggregateResult:
-    """Median-norm-clipped, per-coordinate mean over selectors of `contributions` for a shard of `shapes`.
+    """Token-weighted, per-token-norm-clipped mean over selectors of `contributions` for a shard of `shapes`.
 
-    `peer_ids` (aligned with `contributions`) only name peers in the warnings about dropped contributions.
-    Pass contributions in a canonical order: fp32 sums depend on it, and every peer must get the same bits.
+    `weights` (aligned with `contributions`; default: all equal) are the tokens each contribution was trained on.
+    `peer_ids` only name peers in the warnings about dropped contributions. Pass contributions in a canonical
+    order: fp32 sums depend on it, and every peer must get the same bits.
     """
-    if peer_ids is not None and len(peer_ids) != len(contributions):
-        raise ValueError(f"{len(peer_ids)} peer ids for {len(contributions)} contributions")
+    weights = [1.0] * len(contributions) if weights is None else list(weights)
     names = list(peer_ids) if peer_ids is not None else [f"#{i}" for i in range(len(contributions))]
+    if len(weights) != len(contributions) or len(names) != len(contributions):
+        raise ValueError(f"{len(weights)} weights and {len(names)} peer ids for {len(contributions)} contributions")
     used, dropped = [], []
     for i, msg in enumerate(contributions):
         try:
+            if not (math.isfinite(weights[i]) and weights[i] > 0):
+                raise PayloadError(f"weight {weights[i]!r} is not a positive number")
             validate_message(msg, shapes)
         except PayloadError as err:
             logger.warning("dropping SparseLoCo contribution from %s: %s", names[i], err)
             dropped.append((i, str(err)))
         else:
             used.append(i)
+    heaviest = max((weights[i] for i in used), default=1.0)
+    relative = [weights[i] / heaviest for i in used]
     norms = [contribution_norm(contributions[i]) for i in used]
-    median = lower_median(norms) if norms else 0.0
-    clip_factors = [min(1.0, median / (norm + NORM_EPS)) for norm in norms]
+    median = lower_median([n / w for n, w in zip(norms, relative, strict=True)]) if norms else 0.0
+    clip_factors = [min(1.0, median * w / (n + NORM_EPS)) for n, w in zip(norms, relative, strict=True)]
 
     sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32) for s in shapes]
-    counts = [torch.zeros_like(s) for s in sums]
-    for i, factor in zip(used, clip_factors, strict=True):
+    totals = [torch.zeros_like(s) for s in sums]
+    for i, factor, w in zip(used, clip_factors, relative, strict=True):
         msg = contributions[i]
-        scale = torch.tensor(factor, dtype=torch.float32)
+        scale = torch.tensor(factor * w, dtype=torch.float32)
+        weight = torch.tensor(w, dtype=torch.float32)
         for t, part in enumerate(msg.tensors):
             positions = msg.plan(t).positions(part.indices)
             sums[t].index_add_(0, positions, dequantize(part) * scale)
-            counts[t].index_add_(0, positions, torch.ones(positions.numel()))
-    tensors = [(s / c.clamp(min=1)).view(tuple(shape)) for s, c, shape in zip(sums, counts, shapes, strict=True)]
-    return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors)
+            totals[t].index_add_(0, positions, weight.expand(positions.numel()))
+    tensors = [
+        torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s).view(tuple(shape))
+        for s, c, shape in zip(sums, totals, shapes, strict=True)
+    ]
+    return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)

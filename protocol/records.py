@@ -21,9 +21,17 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from pydantic.v1 import confloat, conint, conlist, constr
 
 from hetero_node.protocol.keys import KEY_PREFIX, run_prefix
+from hetero_node.protocol.roles import (
+    REQUEST_AUTO,
+    REQUEST_FULL,
+    REQUEST_STAGE,
+    REQUESTED_ROLES,
+    ROLE_FULL,
+    ROLE_JOINING,
+    ROLE_STAGE,
+    ROLES,
+)
 
-ROLES = ("joining", "full", "stage")
-REQUESTED_ROLES = ("auto", "full", "stage")
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"
 """A base58 libp2p peer id."""
 
@@ -58,6 +66,15 @@ class PeerRecord(pydantic.BaseModel):
     stage: conint(strict=True, ge=-1, lt=MAX_SHARDS)  # type: ignore[valid-type]
     vr: conint(strict=True, ge=-1, le=1_000_000)  # type: ignore[valid-type]
     round: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
+    """The round whose start weights θ(t) this peer holds."""
+    train_round: conint(strict=True, ge=-1, le=10**9)  # type: ignore[valid-type]
+    """The round this peer is training or contributing to (-1: none yet); one above `round` while an overlapped
+    exchange is in flight."""
+    deadline: confloat(strict=True, ge=0, le=1e11)  # type: ignore[valid-type]
+    """DHT time at which `train_round`'s training ends (0: not time-boxed yet); peers of a round adopt the
+    earliest."""
+    step_s: confloat(strict=True, ge=0, le=1e5)  # type: ignore[valid-type]
+    """Seconds this replica takes per inner step, as last measured (0: unknown); sets the round length."""
     loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
     fingerprints: dict[constr(strict=True, regex=r"^(\d{1,4}|fixed)$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
     view: constr(strict=True, max_length=32)  # type: ignore[valid-type]
@@ -114,7 +131,13 @@ def parse_peer_record(value: Any) -> PeerRecord | None:
 
 __all__ = [
     "REQUESTED_ROLES",
+    "REQUEST_AUTO",
+    "REQUEST_FULL",
+    "REQUEST_STAGE",
     "ROLES",
+    "ROLE_FULL",
+    "ROLE_JOINING",
+    "ROLE_STAGE",
     "GpuInfo",
     "PeerRecord",
     "RunAnnouncement",

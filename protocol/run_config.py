@@ -18,7 +18,7 @@ from typing import Any
 
 from hetero_node.protocol.errors import ConfigError, require_positive
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64
@@ -80,20 +80,47 @@ class OuterConfig:
     """How replicas turn H local steps into one shared outer step."""
 
     outer: str = field(default="sparseloco", metadata={"help": "Outer method: sparseloco or diloco (dense baseline)."})
-    inner_steps: int = field(default=30, metadata={"help": "H: inner steps per outer round."})
+    inner_steps: int = field(
+        default=30, metadata={"help": "H: inner steps per round at the reference speed (the fastest replica's)."}
+    )
     rounds: int = field(default=20, metadata={"help": "Outer rounds in the run (also sets the LR schedule length)."})
     stages: int = field(default=2, metadata={"help": "Parameter shards (= pipeline stages); one averaging group each."})
     outer_lr: float = field(default=1.0, metadata={"help": "SparseLoCo outer step size α (plain SGD, no momentum)."})
     diloco_lr: float = field(default=0.7, metadata={"help": "DiLoCo outer Nesterov learning rate."})
     diloco_momentum: float = field(default=0.9, metadata={"help": "DiLoCo outer Nesterov momentum."})
     diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
+    round_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "Round length in seconds: every replica trains as many inner steps as fit (0: H steps at the "
+            "fastest replica's measured speed)."
+        },
+    )
+    min_inner_steps: int = field(
+        default=1, metadata={"help": "A replica that cannot train this many steps in a round sits it out."}
+    )
+    max_inner_steps: int = field(
+        default=0, metadata={"help": "Stop a round's training after this many steps (0: no cap; = H and "
+                             "--min-inner-steps H: every replica trains exactly H steps)."}
+    )  # fmt: skip
+    overlap: bool = field(
+        default=False,
+        metadata={"help": "Full replicas train the next round while a round's exchange runs (DiLoCoX one-step delay)."},
+    )
 
     def __post_init__(self) -> None:
         if self.outer not in OUTER_METHODS:
             raise ConfigError(f"--outer must be one of {', '.join(OUTER_METHODS)}, got {self.outer!r}")
         if self.diloco_wire not in DILOCO_WIRE_DTYPES:
             raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
-        require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr")
+        require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")
+        if not (math.isfinite(self.round_s) and self.round_s >= 0):
+            raise ConfigError(f"--round-s must be ≥ 0 (0: derived from H), got {self.round_s}")
+        if self.max_inner_steps < 0 or 0 < self.max_inner_steps < self.min_inner_steps:
+            raise ConfigError(
+                f"--max-inner-steps must be 0 (no cap) or ≥ --min-inner-steps {self.min_inner_steps}, "
+                f"got {self.max_inner_steps}"
+            )
         if not 0 <= self.diloco_momentum < 1:
             raise ConfigError(f"--diloco-momentum must be in [0, 1), got {self.diloco_momentum}")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import record_fields
 
 from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.cli.status import swarm_snapshot
@@ -22,6 +23,7 @@ from hetero_node.client.node.run_definition import fetch_run_announcement
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import peers_key
+from hetero_node.protocol.records import PeerRecord
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(300)]
 
@@ -56,13 +58,7 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def valid_record(runtime: PeerRuntime, **changes: Any) -> dict[str, Any]:
-    record = {
-        "peer_id": str(runtime.peer_id), "addrs": [], "version": "0.1.0", "gpus": [], "cpu_cores": 2, "ram_gb": 8.0,
-        "memory_gb": 4.0, "upload_mbps": 50.0, "download_mbps": 50.0, "bandwidth_source": "override",
-        "tokens_per_s": 100.0, "role": "joining", "requested_role": "auto", "pinned_stage": -1, "stage": -1, "vr": -1,
-        "round": 0, "loss": None, "fingerprints": {}, "view": "", "refresh_s": 2.0,
-    }  # fmt: skip
-    return {**record, **changes}
+    return record_fields(str(runtime.peer_id), **changes)
 
 
 def test_bootstrap_announces_the_run_and_keeps_its_peer_id_across_restarts(tmp_path: Path) -> None:
@@ -94,7 +90,7 @@ def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -
             for runtime in (writer, victim):
                 runtime.join_run(reader.run_id)
             key = peers_key(reader.run_id)
-            victim.announce(valid_record(victim), refresh_s=2.0)
+            victim.announce(PeerRecord(**valid_record(victim)), refresh_s=2.0)
             wait_for(lambda: str(victim.peer_id) in (reader.read_records() or {}), 30, "the honest record")
 
             def store(subkey: bytes, value: dict[str, Any]) -> bool:
@@ -114,9 +110,7 @@ def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -
             time.sleep(2)
             records = reader.read_records()
             assert records is not None and set(records) == {str(victim.peer_id)}
-            assert (
-                records[str(victim.peer_id)]["role"] == "joining" and records[str(victim.peer_id)]["memory_gb"] == 4.0
-            )
+            assert records[str(victim.peer_id)].role == "joining" and records[str(victim.peer_id)].memory_gb == 4.0
 
 
 def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path: Path) -> None:
@@ -232,7 +226,7 @@ def test_a_vanished_stage_holder_expires_and_a_new_node_takes_its_slot(tmp_path:
 
             def slots_once(count: int) -> dict[str, tuple[int, int]] | None:
                 records = runtime.read_records() or {}
-                held = {pid: (r["vr"], r["stage"]) for pid, r in records.items() if r["role"] == "stage"}
+                held = {pid: (r.vr, r.stage) for pid, r in records.items() if r.role == "stage"}
                 return held if len(held) == count else None
 
             before = wait_for(lambda: slots_once(2), 120, "two stage peers")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import run_config
 
 from hetero_node.client.cli.demo import DemoConfig, summarize
 from hetero_node.client.node.join import role_for_run
@@ -17,23 +18,9 @@ from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
-from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
-
-
-def run_config(**changes: object) -> RunConfig:
-    base = RunConfig(
-        preset="tiny",
-        vocab_size=256,
-        batch_size=8,
-        seq_len=64,
-        seed=0,
-        data_shards=16,
-        data_identity="d" * 64,
-        tokenizer_identity="t" * 64,
-    )
-    return dataclasses.replace(base, **changes)
 
 
 def test_run_id_is_stable_and_covers_every_setting() -> None:

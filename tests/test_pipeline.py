@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import factories
 import pytest
 import torch
 from torch.nn import functional as F
@@ -33,14 +34,6 @@ from hetero_node.client.roles.stage_link import (
     microbatch_sizes,
     wire,
 )
-from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
-from hetero_node.client.swarm.view import (
-    expected_group_size,
-    replica_count,
-    shard_donors,
-    shard_members,
-    virtual_replicas,
-)
 from hetero_node.models.config import get_preset
 from hetero_node.models.subspace import EMBED, constrained_parameter_names, enable_subspace, project_, subspace_basis
 from hetero_node.models.transformer import RESIDUAL_OUTPUTS, Transformer
@@ -56,18 +49,14 @@ CPU = torch.device("cpu")
 def run_config(
     stages: int = 2, batch: int = 6, inner_steps: int = 1, pipeline: PipelineConfig | None = None
 ) -> RunConfig:
-    return RunConfig(
-        preset="tiny",
-        vocab_size=256,
-        batch_size=batch,
-        seq_len=SEQ,
-        seed=0,
-        data_shards=4,
-        data_identity="x",
-        tokenizer_identity="y",
+    return factories.run_config(
+        stages,
+        batch,
+        SEQ,
+        inner_steps,
+        pipeline or PipelineConfig(boundary_wire="fp32", microbatches=3),
         outer=OuterConfig(stages=stages, inner_steps=inner_steps, rounds=1),
         optim=OptimConfig(grad_clip=0.0, warmup_steps=0),
-        pipeline=pipeline or PipelineConfig(boundary_wire="fp32", microbatches=3),
     )
 
 
@@ -428,7 +417,7 @@ def test_inbox_rounds_and_capacity() -> None:
 
 def test_inbox_refuses_beyond_its_queue_limit() -> None:
     box = Inbox()
-    box.inbox.inner_steps = 10**6  # room for more distinct (step, microbatch) slots than the queue holds
+    box.inbox.max_steps = 10**6  # room for more distinct (step, microbatch) slots than the queue holds
     box.inbox.expect_round(Expectation(VR, STAGE, ROUND, previous=PREV, next=NEXT))
     small = box.forward(2)
     for i in range(MAX_QUEUED):
@@ -439,52 +428,6 @@ def test_inbox_refuses_beyond_its_queue_limit() -> None:
     assert box.inbox.take(lambda h: h.step == 3, timeout=0) is not None
     box.send(small, step=MAX_QUEUED, microbatch=1)  # taking one frees a place
     assert len(box.queued()) == MAX_QUEUED
-
-
-# ------------------------------------------------------------------------------------------- swarm view
-
-
-def stage_record(vr: int, stage: int, round_: int = 3) -> dict[str, Any]:
-    return {"role": ROLE_STAGE, "vr": vr, "stage": stage, "round": round_}
-
-
-def test_swarm_view_membership() -> None:
-    records = {
-        "f1": {"role": ROLE_FULL, "round": 3},
-        "f2": {"role": ROLE_FULL, "round": 2},  # lagging a round
-        "j1": {"role": ROLE_JOINING, "round": 3},
-        # vr 0 complete; "b0" and "a9" both claim (0, 1): the lower id wins
-        "c0": stage_record(0, 0),
-        "b0": stage_record(0, 1),
-        "a9": stage_record(0, 1, round_=2),
-        # vr 1 incomplete: stage 1 missing
-        "d0": stage_record(1, 0),
-        # vr 4 complete, its stage 1 in another round
-        "e0": stage_record(4, 0),
-        "e1": stage_record(4, 1, round_=4),
-        # ignored: stage out of range, no vr
-        "x0": stage_record(5, 2),
-        "x1": {"role": ROLE_STAGE, "stage": 0, "round": 3},
-    }
-    assert virtual_replicas(records, 2) == {0: {0: "c0", 1: "a9"}, 4: {0: "e0", 1: "e1"}}
-    assert list(virtual_replicas(records, 2)) == [0, 4]
-    assert virtual_replicas(records, 3) == {}  # no vr has a stage 2
-    assert replica_count(records, 2) == 4  # f1, f2, vr 0, vr 4
-    assert replica_count(records, 3) == 2
-    assert shard_members(records, 0, 2) == ["c0", "e0", "f1", "f2"]
-    assert shard_members(records, 1, 2) == ["a9", "e1", "f1", "f2"]
-    assert expected_group_size(records, 3, 0, 2) == 3  # f1, c0, e0 (f2 is in round 2; d0 is incomplete)
-    assert expected_group_size(records, 3, 1, 2) == 2  # f1 (a9 in round 2, e1 in round 4): at least 2
-    assert expected_group_size(records, 2, 1, 2) == 2  # f2, a9 (b0 lost its slot)
-    assert expected_group_size(records, 4, 1, 2) == 2  # e1 alone, but never below 2
-    assert expected_group_size(records, 9, 0, 2) == 2
-    bigger = {**records, "f3": {"role": ROLE_FULL, "round": 2}, "g2": {"role": ROLE_FULL, "round": 2}}
-    assert expected_group_size(bigger, 2, 1, 2) == 4  # f2, f3, g2, a9
-    assert set(shard_donors(records, 0)) == {"f1", "f2", "c0", "d0", "e0", "x1"}  # any stage-0 peer serves state
-    assert set(shard_donors(records, 1)) == {"f1", "f2", "b0", "a9", "e1"}
-    assert shard_donors(records, 1)["a9"] is records["a9"]
-    assert set(shard_donors(records, 2)) == {"f1", "f2", "x0"}
-    assert virtual_replicas({}, 2) == {} and replica_count({}, 2) == 0 and expected_group_size({}, 0, 0, 2) == 2
 
 
 # -------------------------------------------------------------------------------------------- run config

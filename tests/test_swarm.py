@@ -117,7 +117,8 @@ def run_pair(workdir: Path, faulty_modes: list[str]) -> dict[int, dict[str, Any]
     """Two honest replicas plus one faulty peer per mode; returns honest replica 0's rounds."""
     with LocalSwarm(workdir) as swarm:
         everyone = str(2 + len(faulty_modes))
-        peers = start_replicas(swarm, 2, workdir, rounds=3, min_peers=everyone)
+        fixed_steps = {"min_inner_steps": "8", "max_inner_steps": "8"}  # bit-identical runs need the same steps
+        peers = start_replicas(swarm, 2, workdir, rounds=3, run_extra=fixed_steps, min_peers=everyone)
         for j, mode in enumerate(faulty_modes):
             args = join_args(peers, 2 + j, workdir, min_peers=everyone)
             swarm.start(f"faulty{j}", [mode, *args], program=FAULTY_PEER)

@@ -64,8 +64,9 @@ def test_full_and_virtual_replica_agree_learn_and_send_the_codecs_bytes(tmp_path
     rank = 128 // 8  # tiny's d_model / 8, the default
     formula = {d: boundary_bytes_per_token(rank, "bf16", d, id_bytes=2) for d in (FORWARD, BACKWARD)}
     assert formula == {FORWARD: 34, BACKWARD: 32}  # k bf16 values, plus a u16 token id going forward
-    tokens = run["outer"]["inner_steps"] * run["batch_size"] * run["seq_len"]
     for t in range(3):
+        tokens = s0[t]["inner_steps"] * run["batch_size"] * run["seq_len"]  # time-boxed: steps vary by round
+        assert s0[t]["tokens"] == s1[t]["tokens"] == tokens > 0
         assert s0[t]["boundary_tokens"] == s1[t]["boundary_tokens"] == tokens
         forward = s0[t]["boundary_bytes_sent"] / tokens
         backward = s1[t]["boundary_bytes_sent"] / tokens

@@ -30,6 +30,7 @@ from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncT
 from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
+from hetero_node.protocol.roles import REQUESTED_ROLES
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 PROG_NAME = "hetero-node"
@@ -139,10 +140,8 @@ def main() -> None:
         sys.exit(1)
 
 
-class Role(str, Enum):
-    AUTO = "auto"
-    FULL = "full"
-    STAGE = "stage"
+Role = Enum("Role", {name.upper(): name for name in REQUESTED_ROLES}, type=str)
+"""--role's choices, spelled as the records spell them."""
 
 
 def _run_configs(

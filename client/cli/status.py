@@ -16,9 +16,10 @@ from rich.live import Live
 from rich.table import Table
 
 from hetero_node.client.node.run_definition import fetch_run_announcement
-from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_STAGE
+from hetero_node.client.swarm import view
 from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
 from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 
 
 def swarm_snapshot(runtime: PeerRuntime, run: dict[str, Any] | None) -> dict[str, Any]:
@@ -26,21 +27,20 @@ def swarm_snapshot(runtime: PeerRuntime, run: dict[str, Any] | None) -> dict[str
     from hivemind.utils import get_dht_time
 
     timed = runtime.read_records_timed() or {}
+    records = {pid: record for pid, (record, _) in timed.items()}
     now = get_dht_time()
     peers = []
     for _, (record, expiration) in sorted(timed.items()):
-        last_seen = max(0.0, now - (expiration - 3 * record["refresh_s"]))
-        peers.append({**record, "last_seen_s": round(last_seen, 1)})
-    stage_records = [p for p in peers if p["role"] == ROLE_STAGE]
-    stages = run["outer"]["stages"] if run else max((p["stage"] + 1 for p in stage_records), default=0)
-    replicas: dict[int, dict[int, str]] = {}
-    for p in stage_records:
-        replicas.setdefault(p["vr"], {})[p["stage"]] = p["peer_id"]
-    views = Counter(p["view"] for p in peers if p["view"])
+        last_seen = max(0.0, now - (expiration - 3 * record.refresh_s))
+        peers.append({**record.dict(), "last_seen_s": round(last_seen, 1)})
+    stage_records = [r for r in records.values() if r.role == ROLE_STAGE]
+    stages = run["outer"]["stages"] if run else max((r.stage + 1 for r in stage_records), default=0)
+    replicas = view.virtual_replicas(records, stages, complete=False)
+    views = Counter(r.view for r in records.values() if r.view)
     return {
         "run_id": runtime.run_id,
         "run": run,
-        "round": max((p["round"] for p in peers if p["role"] == ROLE_FULL), default=0),
+        "round": max((r.round for r in records.values() if r.role == ROLE_FULL), default=0),
         "peers": peers,
         "virtual_replicas": {
             str(vr): {

@@ -8,7 +8,6 @@ and settle on a role with the planner → train as a full replica, or hold a pip
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from collections.abc import Callable
 from importlib.metadata import version
@@ -19,31 +18,23 @@ from hetero_node.client.node.bandwidth import node_bandwidth
 from hetero_node.client.node.capabilities import measure_throughput, probe_hardware, run_requirements
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.metrics import RoundRecord
+from hetero_node.client.roles.replica import leave_on_signals
 from hetero_node.client.swarm.membership import Membership
-from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_JOINING, Requirements
+from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import REQUEST_FULL, REQUEST_STAGE, ROLE_FULL, ROLE_JOINING
 from hetero_node.protocol.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 
-def _leave_on_signals(stop: threading.Event) -> None:
-    """Ctrl-C / SIGTERM: leave after the current step, shutting the DHT and p2pd down (hivemind-notes, E)."""
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        logger.warning("signal %d: leaving the swarm", signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-
-
 def _initial_record(
     runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int
-) -> dict[str, Any]:
+) -> PeerRecord:
     """Measure this node and describe it as a PeerRecord (role still "joining")."""
     device = resolve_device(node.device)
     hardware = probe_hardware(device, node.memory_gb)
@@ -51,39 +42,43 @@ def _initial_record(
         runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
     )
     fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
-    throughput = measure_throughput(run, device) if fits and requested_role != "stage" else 0.0
-    return {
-        "peer_id": str(runtime.peer_id),
-        "addrs": runtime.visible_maddrs[:16],
-        "version": version("hetero-node"),
-        "gpus": [{"name": name[:128], "memory_gb": round(gb, 2)} for name, gb in hardware.gpus],
-        "cpu_cores": hardware.cpu_cores,
-        "ram_gb": round(hardware.ram_gb, 2),
-        "memory_gb": round(hardware.memory_gb, 3),
-        "upload_mbps": bandwidth.upload_mbps,
-        "download_mbps": bandwidth.download_mbps,
-        "bandwidth_source": bandwidth.source,
-        "tokens_per_s": round(throughput, 1),
-        "role": ROLE_JOINING,
-        "requested_role": requested_role,
-        "pinned_stage": pinned_stage,
-        "stage": -1,
-        "vr": -1,
-        "round": 0,
-        "loss": None,
-        "fingerprints": {},
-        "view": "",
-        "refresh_s": float(node.record_refresh_s),
-    }
+    throughput = measure_throughput(run, device) if fits and requested_role != REQUEST_STAGE else 0.0
+    step_s = run.batch_size * run.seq_len / throughput + node.step_delay_s if throughput > 0 else 0.0
+    return PeerRecord(
+        peer_id=str(runtime.peer_id),
+        addrs=runtime.visible_maddrs[:16],
+        version=version("hetero-node"),
+        gpus=[{"name": name[:128], "memory_gb": round(gb, 2)} for name, gb in hardware.gpus],
+        cpu_cores=hardware.cpu_cores,
+        ram_gb=round(hardware.ram_gb, 2),
+        memory_gb=round(hardware.memory_gb, 3),
+        upload_mbps=bandwidth.upload_mbps,
+        download_mbps=bandwidth.download_mbps,
+        bandwidth_source=bandwidth.source,
+        tokens_per_s=round(throughput, 1),
+        role=ROLE_JOINING,
+        requested_role=requested_role,
+        pinned_stage=pinned_stage,
+        stage=-1,
+        vr=-1,
+        round=0,
+        train_round=-1,
+        deadline=0.0,
+        step_s=round(step_s, 4),
+        loss=None,
+        fingerprints={},
+        view="",
+        refresh_s=float(node.record_refresh_s),
+    )
 
 
 def role_for_run(run: RunConfig, requested_role: str) -> str:
     """compress-all trains every replica as a virtual replica; a run without boundaries has no stages."""
     if run.pipeline.activation_compression == "compress-all":
-        if requested_role == "full":
+        if requested_role == REQUEST_FULL:
             raise ConfigError("--role full: this run is compress-all, where every node serves a pipeline stage")
-        return "stage"
-    if run.outer.stages < 2 and requested_role == "stage":
+        return REQUEST_STAGE
+    if run.outer.stages < 2 and requested_role == REQUEST_STAGE:
         raise ConfigError("--role stage: this run has one stage, so every node trains a full replica")
     return requested_role
 
@@ -104,7 +99,7 @@ def run_node(
 
     runtime = PeerRuntime(node.peers, node.host, node.port, node.identity)
     stop = threading.Event()
-    _leave_on_signals(stop)
+    leave_on_signals(stop)
     membership = None
     try:
         on_status("reading the run announcement")

@@ -1,16 +1,17 @@
 """Shard states as peers serve and verify them: how a late joiner, a re-syncing replica or a replacement stage
 gets the swarm's current weights without trusting whoever sends them.
 
-A peer serves, per shard it holds, the blob `state` (its round, the shard's tensors, the outer momentum of a
-DiLoCo run and, in a subspace run, the fixed token table T_fixed) and advertises the state's fingerprint in its
-record. In a subspace run T_fixed belongs to every shard's state and fingerprint: it changes every round (drift
-transfer) and every peer must hold the same bits, so a group's start-fingerprint check also proves T_fixed
-agrees. Stages without the embedding need only T_fixed each round: it is served alone as the blob `fixed`,
-advertised under the fingerprint key "fixed".
+A peer serves, per shard it holds, the blob `state` (its round, the shard's tensors, the shared outer state of
+the run's method, e.g. DiLoCo's momentum, and, in a subspace run, the fixed token table T_fixed) and advertises
+the state's fingerprint in its record. In a subspace run T_fixed belongs to every shard's state and fingerprint:
+it changes every round (drift transfer) and every peer must hold the same bits, so a group's start-fingerprint
+check also proves T_fixed agrees. Stages without the embedding need only T_fixed each round: it is served alone
+as the blob `fixed`, advertised under the fingerprint key "fixed".
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -20,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hetero_node.client.roles.checkpoint import from_bytes, to_bytes
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
-from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.errors import CheckpointError, PayloadError
+from hetero_node.protocol.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,33 @@ FIXED = "fixed"
 """Blob kind and fingerprint key of the fixed token table."""
 
 
+def to_bytes(state: dict[str, Any]) -> bytes:
+    """Serialize a state for the wire (tensors and plain Python values only)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> dict[str, Any]:
+    """Deserialize a peer's state; `weights_only` so a malicious peer cannot run code on us."""
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise CheckpointError("peer state is not a dictionary")
+    return state
+
+
 def state_fingerprint(tensors: Sequence[Tensor], fixed: Tensor | None) -> str:
     """What a peer advertises for a shard: its tensors, then T_fixed in a subspace run."""
     return fingerprint([*tensors, *([] if fixed is None else [fixed])])
 
 
+def _finite_fp32(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.dtype == torch.float32 and bool(t.isfinite().all())
+
+
 def _max_size(shapes: Sequence[tuple[int, ...]]) -> int:
-    """Generous bound on a serialized state (fp32 tensors, optional momentum of the same size, table, overhead)."""
+    """Generous bound on a serialized state (fp32 tensors, optional shared outer state of the same size, table,
+    overhead)."""
     return 2 * sum(4 * torch.Size(s).numel() for s in shapes) + (1 << 22)
 
 
@@ -59,14 +80,15 @@ class ShardStates:
         round_: int,
         tensors: dict[int, list[Tensor]],
         fixed: Tensor | None,
-        momentum: dict[int, list[Tensor]] | None = None,
+        shared: dict[int, list[Tensor] | None] | None = None,
     ) -> None:
+        """Serve round `round_`'s state of every shard in `tensors` (`shared`: the method's shared outer state)."""
         for shard, shard_tensors in tensors.items():
             state: dict[str, Any] = {"round": round_, "tensors": [t.detach().cpu() for t in shard_tensors]}
             if fixed is not None:
                 state[FIXED] = fixed.detach().cpu()
-            if momentum is not None:
-                state["momentum"] = momentum[shard]
+            if shared is not None and shared.get(shard) is not None:
+                state["shared"] = [t.detach().cpu() for t in shared[shard]]
             self.runtime.publish("state", shard, round_, to_bytes(state))
         if fixed is not None:
             self.runtime.publish(FIXED, 0, round_, to_bytes({"round": round_, FIXED: fixed.detach().cpu()}))
@@ -75,12 +97,13 @@ class ShardStates:
 
     def load(
         self,
-        donor_records: Callable[[], dict[str, dict[str, Any]]],
+        donor_records: Callable[[], dict[str, PeerRecord]],
         min_round: int,
         wait_s: float,
         stop: threading.Event,
-    ) -> tuple[int, dict[int, dict[str, Any]]] | None:
-        """(round, {shard: state}) from the newest donor at round ≥ min_round whose fingerprints it matches.
+    ) -> tuple[int, dict[int, dict[str, Any]], int] | None:
+        """(round, {shard: state}, bytes downloaded) from the newest donor at round ≥ min_round whose fingerprints
+        it matches.
 
         `donor_records` lists who may serve (the caller's choice: full replicas, or peers holding the shard).
         A donor that fails for a round is not asked again for it; None when no donor succeeded within wait_s.
@@ -92,31 +115,34 @@ class ShardStates:
             records = donor_records()
             donors = sorted(
                 (
-                    (rec["round"], pid)
+                    (rec.round, pid)
                     for pid, rec in records.items()
-                    if pid != me and rec.get("round", -1) >= min_round and (pid, rec["round"]) not in failed
+                    if pid != me and rec.round >= min_round and (pid, rec.round) not in failed
                 ),
                 reverse=True,
             )
             for donor_round, donor in donors:
-                states = self._download(donor, records[donor], donor_round)
-                if states is not None:
+                downloaded = self._download(donor, records[donor], donor_round)
+                if downloaded is not None:
                     logger.warning("loaded the swarm's state of round %d from %s", donor_round, donor)
-                    return donor_round, states
+                    return donor_round, *downloaded
                 failed.add((donor, donor_round))
             if time.monotonic() >= deadline or stop.is_set():
                 return None
             time.sleep(0.5)
 
-    def _download(self, donor: str, record: dict[str, Any], donor_round: int) -> dict[int, dict[str, Any]] | None:
+    def _download(
+        self, donor: str, record: PeerRecord, donor_round: int
+    ) -> tuple[dict[int, dict[str, Any]], int] | None:
         from hivemind.p2p import PeerID
 
         peer = PeerID.from_base58(donor)
-        states = {}
+        states, size = {}, 0
         try:
             for shard, shapes in self.shapes.items():
-                size = _max_size([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
-                round_, data = self.runtime.fetch(peer, "state", shard, donor_round, size, self.fetch_timeout_s)
+                limit = _max_size([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
+                round_, data = self.runtime.fetch(peer, "state", shard, donor_round, limit, self.fetch_timeout_s)
+                size += len(data)
                 state = from_bytes(data)
                 tensors, fixed = state["tensors"], state.get(FIXED)
                 if [tuple(t.shape) for t in tensors] != shapes or round_ != donor_round:
@@ -125,15 +151,17 @@ class ShardStates:
                     fixed is not None and tuple(fixed.shape) != self.fixed_shape
                 ):
                     raise PayloadError(f"state of shard {shard} has no fixed table of shape {self.fixed_shape}")
-                if state_fingerprint(tensors, fixed) != record.get("fingerprints", {}).get(str(shard)):
+                if not all(_finite_fp32(t) for t in [*tensors, *([] if fixed is None else [fixed])]):
+                    raise PayloadError(f"state of shard {shard} holds non-fp32 or non-finite values")
+                if state_fingerprint(tensors, fixed) != record.fingerprints.get(str(shard)):
                     raise PayloadError(f"state of shard {shard} does not match the fingerprint {donor} advertised")
                 states[shard] = state
         except Exception as e:  # a bad donor is skipped, never trusted
             logger.warning("could not load state from %s: %r", donor, e)
             return None
-        return states
+        return states, size
 
-    def fetch_fixed(self, donor: str, record: dict[str, Any], round_: int) -> Tensor | None:
+    def fetch_fixed(self, donor: str, record: PeerRecord, round_: int) -> Tensor | None:
         """T_fixed of `round_` from `donor`, checked against the fingerprint it advertises; None on any failure."""
         from hivemind.p2p import PeerID
 
@@ -144,7 +172,7 @@ class ShardStates:
             fixed = from_bytes(data)[FIXED]
             if served != round_ or tuple(fixed.shape) != self.fixed_shape or fixed.dtype != torch.float32:
                 raise PayloadError(f"fixed table of round {served} with shape {tuple(fixed.shape)}")
-            if fingerprint([fixed]) != record.get("fingerprints", {}).get(FIXED):
+            if fingerprint([fixed]) != record.fingerprints.get(FIXED):
                 raise PayloadError(f"fixed table does not match the fingerprint {donor} advertised")
         except Exception as e:  # a bad donor is skipped, never trusted
             logger.warning("could not load the fixed table of round %d from %s: %r", round_, donor, e)

@@ -1,36 +1,42 @@
-"""One parameter shard's outer round: agree on a group, exchange pseudo-gradients, compute the same outer step.
+"""One parameter shard's outer round across peers: agree on a group, exchange the messages, compute the same θ(t+1).
 
-How SparseLoCo travels (the design choice the README explains):
+How a round's messages travel (the design choice the README explains):
 
-1. Each replica compresses its pseudo-gradient Δ = θ(t) − θ_local with error feedback and serves the encoded
-   message (0.219 bits/param) from memory.
+1. Each member encodes its contribution with the run's outer method (`protocol/outer_methods.py`: SparseLoCo
+   through error feedback, or DiLoCo's dense Δ) and serves the message from memory. A member that trained too
+   little this round (or whose pipeline broke) joins with no message: it receives, so it still ends the round
+   holding θ(t+1).
 2. hivemind's matchmaking forms the shard's group for round t and gathers each member's metadata (round, start
-   fingerprint, payload size and digest), which every member receives identically from the group leader; the
-   all-reduce hivemind would run next is skipped (`ShardAverager`).
-3. Every member fetches every other member's message over a P2P stream, checks size and digest, decodes it
-   strictly, and runs the reference aggregation on the same messages in peer-id order: every member gets the
-   same bits without trusting any peer's arithmetic.
+   fingerprint, message size and digest, tokens trained), which every member receives identically from the group
+   leader; the all-reduce hivemind would run next is skipped (`averager.ShardAverager`). The group forms as soon
+   as every member the records show in round t has arrived (a ready barrier), or at the round's deadline plus a
+   grace period with whoever is there.
+3. Every member fetches every contributor's message over a P2P stream, checks size and digest, decodes it
+   strictly, and combines them weighted by tokens, in peer-id order: every member gets the same bits without
+   trusting any peer's arithmetic.
+4. Each member then serves the round's manifest (who contributed, with which digests and weights, the start and
+   result fingerprints) and re-serves the messages, so a member that missed the group can rebuild θ(t+1) from
+   them (`catch_up.py`) instead of downloading the model.
 
-Each replica uploads its message to R−1 peers and downloads R−1 messages, i.e. (R−1)·0.0273·N bytes each way. A
-butterfly all-reduce of the same sparse vectors would return the union of all selections (denser with each peer)
-and lose the 2-bit value codes; for the swarm sizes this targets (tens of replicas per shard) the exchange moves
-fewer bytes, and none of hivemind's partial-average failure modes can silently change the result: a message is
-either received whole and verified, or dropped by that peer, and the next round's fingerprint check catches the
-disagreement.
-
-DiLoCo (the baseline) travels the same way with a dense fp32 or fp16 message and a plain mean, then outer Nesterov
-momentum. (hivemind's own butterfly all-reduce of dense tensors was tried first: each peer ends with
-own + (mean − own), which differs from the mean in the last bit from peer to peer, so replicas never agreed.)
+Each contributor uploads its message to R−1 peers and downloads R−1 messages, i.e. (R−1)·0.0273·N bytes each way
+for SparseLoCo. A butterfly all-reduce of the same sparse vectors would return the union of all selections
+(denser with each peer) and lose the 2-bit value codes; and none of hivemind's partial-average failure modes can
+silently change the result here: a message is either received whole and verified, or dropped by that peer, and
+the next round's fingerprint check catches the disagreement. (hivemind's butterfly all-reduce of dense tensors was
+tried first for DiLoCo: each peer ends with own + (mean − own), which differs from the mean in the last bit from
+peer to peer, so replicas never agreed.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -40,14 +46,72 @@ from torch import Tensor
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.outer.averager import ShardAverager
 from hetero_node.client.swarm.runtime import PeerRuntime
-from hetero_node.protocol import dense_codec, sparse_codec
-from hetero_node.protocol.aggregation import aggregate
+from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.keys import shard_group_prefix
+from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import RunConfig
-from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
 
 logger = logging.getLogger(__name__)
+
+PAYLOAD, MANIFEST = "payload", "manifest"
+"""Blob kinds: a member's own message of a round, and the round's manifest."""
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_TOKENS = 1 << 40
+HEX = re.compile(r"^[0-9a-f]{8,64}$")
+
+
+def message_kind(digest: str) -> str:
+    """Blob kind under which every member re-serves a round's message with this digest (for catch-up)."""
+    return f"msg:{digest}"
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class GroupMeta:
+    """What each member gathers through matchmaking about its contribution (checked before anything uses it)."""
+
+    round: int
+    start_fp: str
+    size: int
+    """Bytes of its message (0: it receives only)."""
+    digest: str
+    tokens: int
+    """Tokens it trained this round: the weight of its message."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def parse(cls, raw: Any, max_size: int) -> GroupMeta | None:
+        """A peer's gathered metadata, or None when any field is missing, mistyped or out of range (a malformed
+        member is left out of the round; it must never crash the others)."""
+        if not isinstance(raw, dict) or set(raw) != {"round", "start_fp", "size", "digest", "tokens"}:
+            return None
+        ints = [raw["round"], raw["size"], raw["tokens"]]
+        if any(type(v) is not int for v in ints) or not (0 <= raw["round"] <= 10**9):
+            return None
+        if not (0 <= raw["size"] <= max_size and 0 <= raw["tokens"] <= MAX_TOKENS):
+            return None
+        if not (isinstance(raw["start_fp"], str) and HEX.match(raw["start_fp"])):
+            return None
+        if not (isinstance(raw["digest"], str) and (raw["digest"] == "" or HEX.match(raw["digest"]))):
+            return None
+        if (raw["size"] == 0) != (raw["tokens"] == 0) or (raw["size"] == 0) != (raw["digest"] == ""):
+            return None
+        return cls(**raw)
+
+
+class Received(NamedTuple):
+    """A verified, decoded message and what the group knows of it."""
+
+    name: str
+    message: Any
+    tokens: int
+    digest: str
 
 
 class Member(NamedTuple):
@@ -55,7 +119,21 @@ class Member(NamedTuple):
 
     name: str
     peer_id: Any
-    meta: dict[str, Any]
+    meta: GroupMeta
+
+
+@dataclass
+class PendingRound:
+    """One shard's round between `begin` and `finish`: what this member brought, and hivemind's step handle."""
+
+    round: int
+    start: list[Tensor]
+    """θ(t) of the shard: what the outer step updates."""
+    meta: GroupMeta
+    payload: bytes | None
+    snapshot: Any = None
+    """The method's private state before encoding (restored when the contribution is dropped)."""
+    control: Any = None
 
 
 @dataclass
@@ -63,25 +141,14 @@ class ShardOutcome:
     """What one shard's round produced and cost."""
 
     new_tensors: list[Tensor] | None
-    """θ(t+1) of the shard, or None when this peer must fetch the swarm's state instead."""
+    """θ(t+1) of the shard, or None when this member must get it another way (it missed the group)."""
     group_size: int = 0
     contributors: int = 0
+    contributed: bool = False
+    """This member's message is part of the aggregate."""
     dropped: list[str] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
-
-
-def digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def mean_in_order(contributions: list[list[Tensor]]) -> list[Tensor]:
-    """Plain mean, summed in the given (canonical) order so every member gets the same bits."""
-    totals = [t.clone() for t in contributions[0]]
-    for contribution in contributions[1:]:
-        for total, t in zip(totals, contribution, strict=True):
-            total.add_(t)
-    return [total / len(contributions) for total in totals]
 
 
 def majority_fingerprint(fingerprints: list[str]) -> str:
@@ -91,20 +158,50 @@ def majority_fingerprint(fingerprints: list[str]) -> str:
     return min(fp for fp, n in counts.items() if n == best)
 
 
+def encode_manifest(round_: int, start_fp: str, result_fp: str, members: Sequence[tuple[str, str, int]]) -> bytes:
+    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result."""
+    body = {"round": round_, "start_fp": start_fp, "result_fp": result_fp, "members": [list(m) for m in members]}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_manifest(data: bytes, round_: int) -> dict[str, Any]:
+    """A peer's manifest of `round_`, strictly checked; PayloadError otherwise."""
+    try:
+        body = json.loads(data)
+        members = body["members"]
+        ok = (
+            set(body) == {"round", "start_fp", "result_fp", "members"}
+            and body["round"] == round_
+            and all(isinstance(body[k], str) and HEX.match(body[k]) for k in ("start_fp", "result_fp"))
+            and isinstance(members, list)
+            and 0 < len(members) <= 4096
+            and all(
+                isinstance(m, list)
+                and len(m) == 3
+                and isinstance(m[0], str)
+                and len(m[0]) <= 128
+                and isinstance(m[1], str)
+                and HEX.match(m[1])
+                and type(m[2]) is int
+                and 0 < m[2] <= MAX_TOKENS
+                for m in members
+            )
+        )
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise PayloadError(f"malformed manifest of round {round_}")
+    return body
+
+
 class ShardSync:
-    """A replica's membership in one shard's averaging group, and its outer-optimizer state for that shard."""
+    """A replica's membership in one shard's averaging group (transport only: the arithmetic is `self.method`)."""
 
     def __init__(
         self, runtime: PeerRuntime, run: RunConfig, shard: int, shapes: list[tuple[int, ...]], timeouts: SyncTimeouts
     ) -> None:
         self.runtime, self.run, self.shard, self.shapes, self.timeouts = runtime, run, shard, shapes, timeouts
-        self.sparse = run.outer.outer == "sparseloco"
-        if self.sparse:
-            self.compressor = ErrorFeedbackCompressor(shapes, run.sparseloco)
-            self.max_payload = sparse_codec.message_size_bytes(shapes, run.sparseloco)
-        else:
-            self.momentum = [torch.zeros(s) for s in shapes]
-            self.max_payload = dense_codec.message_size_bytes(shapes, run.outer.diloco_wire)
+        self.method: OuterMethod = outer_method(run, shapes)
         self.averager = ShardAverager(
             [torch.zeros(1)],  # hivemind's averager must hold a tensor; ShardAverager never all-reduces it
             runtime.dht,
@@ -112,124 +209,126 @@ class ShardSync:
             start=True,
             min_group_size=2,
             min_matchmaking_time=timeouts.matchmaking_s,
-            request_timeout=min(1.0, timeouts.matchmaking_s / 2),  # below min_matchmaking_time (hivemind-notes)
+            request_timeout=min(1.0, timeouts.matchmaking_s / 2),  # below min_matchmaking_time, or hivemind warns
             allreduce_timeout=timeouts.round_timeout_s,
-            next_chunk_timeout=min(5.0, timeouts.round_timeout_s),
+            next_chunk_timeout=min(5.0, timeouts.round_timeout_s),  # a dead peer must not hang the others for minutes
             allow_state_sharing=False,  # state travels through our verified blob handler instead
         )
-        self._payload: bytes | None = None
-        self._ef_before: dict[str, Any] = {}
-        self._meta: dict[str, Any] = {}
+
+    @property
+    def me(self) -> str:
+        return str(self.runtime.peer_id)
 
     # -------------------------------------------------------------------------------------------------- begin
 
-    def begin(
-        self, round_: int, start: list[Tensor], current: list[Tensor], start_fp: str, expected: int, wait_s: float
-    ) -> Any:
-        """Compute and publish this round's contribution, then start matchmaking in the background.
+    def contribution(
+        self, round_: int, start: list[Tensor], start_fp: str, deltas: list[Tensor] | None, tokens: int
+    ) -> PendingRound:
+        """Encode this round's message (`deltas` None: receive only) and serve it; PayloadError when Δ is unusable
+        (nothing changed then)."""
+        if deltas is None or tokens <= 0:
+            return PendingRound(round_, start, GroupMeta(round_, start_fp, 0, "", 0), None)
+        encoded = self.method.encode(deltas)
+        meta = GroupMeta(round_, start_fp, len(encoded.payload), digest(encoded.payload), tokens)
+        self.runtime.publish(PAYLOAD, self.shard, round_, encoded.payload)
+        return PendingRound(round_, start, meta, encoded.payload, encoded.snapshot)
 
-        The group forms as soon as `expected` members are in, or after `wait_s` with at least two.
-        """
+    def begin(self, pending: PendingRound, expected: int, scheduled_time: float) -> None:
+        """Start matchmaking in the background: the group forms once `expected` members are in, or at
+        `scheduled_time` (DHT time) with at least two."""
         from hivemind.utils import get_dht_time
 
-        self._payload = self._encode([s - c for s, c in zip(start, current, strict=True)])  # PayloadError on NaN
-        self._meta = {
-            "round": round_,
-            "start_fp": start_fp,
-            "size": len(self._payload),
-            "digest": digest(self._payload),
-        }
-        self.runtime.publish("payload", self.shard, round_, self._payload)
-        self.averager.prepare_round(round_, max(2, expected))
-        # a group that has not formed a while after its window will not form: give up and re-sync instead
-        return self.averager.step(
-            gather=self._meta,
+        wait_s = max(0.0, scheduled_time - get_dht_time())
+        self.averager.prepare_round(pending.round, max(2, expected))
+        pending.control = self.averager.step(
+            gather=pending.meta.to_wire(),
             scheduled_time=get_dht_time() + wait_s,
             wait=False,
-            timeout=wait_s + 2 * self.timeouts.matchmaking_s,
+            timeout=wait_s + 2 * self.timeouts.matchmaking_s,  # a group that has not formed by then will not
         )
 
-    def _encode(self, deltas: list[Tensor]) -> bytes:
-        """This round's message: SparseLoCo (through error feedback) or the dense pseudo-gradient."""
-        if not self.sparse:
-            return dense_codec.encode(deltas, self.run.outer.diloco_wire)
-        ef_before = self.compressor.state_dict()
-        payload = sparse_codec.encode(self.compressor.compress(deltas))
-        self._ef_before = ef_before  # only once compress succeeded: a failed call left the buffers untouched
-        return payload
-
-    def _decode(self, payload: bytes) -> Any:
-        if self.sparse:
-            return sparse_codec.decode(payload, self.shapes, self.run.sparseloco)
-        return dense_codec.decode(payload, self.shapes, self.run.outer.diloco_wire)
-
-    def drop_contribution(self) -> None:
-        """The round failed: forget this round's Δ and restore the error feedback to what it was before it."""
-        if self.sparse and self._payload is not None:
-            self.compressor.load_state_dict(self._ef_before)
-        self._payload = None
+    def drop(self, pending: PendingRound) -> None:
+        """The round failed for us: forget our Δ and restore the method's private state (error feedback)."""
+        if pending.payload is not None:
+            self.method.restore(pending.snapshot)
+            pending.payload = None
 
     # ------------------------------------------------------------------------------------------------- finish
 
-    def finish(self, control: Any, start: list[Tensor], swarm_moved_on: Callable[[], bool]) -> ShardOutcome:
-        """Wait for the group, then compute θ(t+1) exactly as every other member does.
+    def finish(self, pending: PendingRound, swarm_moved_on: Callable[[], bool]) -> ShardOutcome:
+        """Wait for the group, then compute θ(t+1) exactly as every other member does (safe in a worker thread).
 
-        While still looking for a group, `swarm_moved_on` is polled: once others have finished this round without
-        us (we joined or arrived late), waiting longer cannot help, so matchmaking is cancelled at once.
+        While still looking for a group, `swarm_moved_on` is polled: once the others finished this round without
+        us, waiting longer cannot help, so matchmaking is cancelled at once.
         """
         from hivemind.averaging.control import AveragingStage
 
+        control = pending.control
         deadline = time.monotonic() + self.timeouts.round_timeout_s + self.timeouts.matchmaking_s
         while not control.done() and time.monotonic() < deadline:
             if control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on():
                 control.cancel()
                 break
-            time.sleep(0.5)
+            time.sleep(0.25)
         try:
             gathered = control.result(0.1)
         except Exception as e:  # hivemind raises several types for "no group" / "peer vanished"
-            logger.warning("shard %d round %d: no averaging group (%r)", self.shard, self._meta["round"], e)
-            self.drop_contribution()
+            logger.warning("shard %d round %d: no averaging group (%r)", self.shard, pending.round, e)
             return ShardOutcome(new_tensors=None)
-        members = sorted(
-            Member(str(pid), pid, meta if isinstance(meta, dict) else {}) for pid, meta in gathered.items()
-        )
-        same_round = [m for m in members if m.meta.get("round") == self._meta["round"]]
-        majority = majority_fingerprint([m.meta.get("start_fp", "") for m in same_round])
-        included = [m for m in same_round if m.meta.get("start_fp") == majority]
-        if not any(m.name == str(self.runtime.peer_id) for m in included):
+        members = self._members(gathered, pending.round)
+        majority = majority_fingerprint([m.meta.start_fp for m in members]) if members else ""
+        included = [m for m in members if m.meta.start_fp == majority]
+        if not any(m.name == self.me for m in included):
             logger.error(
-                "shard %d round %d: my start fingerprint %s differs from the group's %s; re-syncing from a peer",
-                self.shard, self._meta["round"], self._meta["start_fp"], majority,
+                "shard %d round %d: my start fingerprint %s differs from the group's %s; catching up from peers",
+                self.shard, pending.round, pending.meta.start_fp, majority,
             )  # fmt: skip
-            self.drop_contribution()
-            return ShardOutcome(new_tensors=None, group_size=len(members))
-        return self._exchange(included, start, len(members))
+            return ShardOutcome(new_tensors=None, group_size=len(gathered))
+        return self._exchange(pending, included, len(gathered))
 
-    def _exchange(self, included: list[Member], start: list[Tensor], group_size: int) -> ShardOutcome:
-        """Fetch the members' messages, aggregate them in canonical order, and take the outer step."""
-        round_ = self._meta["round"]
-        messages, names, dropped, received = self._collect_messages(included, round_)
-        if self.sparse:
-            result = aggregate(messages, self.shapes, peer_ids=names)
-            dropped += [f"{names[i]}: {reason}" for i, reason in result.dropped]
-            new, contributors = self._sparse_update(start, result.tensors), len(result.used)
-        else:
-            new, contributors = self._dense_update(start, mean_in_order(messages)), len(messages)
-        # stay until the others have our payload: quitting early would truncate their round (hivemind-notes, D)
-        self.runtime.wait_until_fetched("payload", self.shard, round_, len(included) - 1, self.timeouts.fetch_timeout_s)
-        sent = self.runtime.bytes_served[("payload", self.shard, round_)]
-        return ShardOutcome(new, group_size, contributors, dropped, sent, received)
+    def _members(self, gathered: dict[Any, Any], round_: int) -> list[Member]:
+        """Members of this round with well-formed metadata, in canonical order (a malformed one is left out)."""
+        members = []
+        for pid, raw in gathered.items():
+            meta = GroupMeta.parse(raw, self.method.max_message_bytes)
+            if meta is None or meta.round != round_:
+                logger.warning(
+                    "shard %d round %d: leaving out %s (malformed or foreign metadata)", self.shard, round_, pid
+                )
+                continue
+            members.append(Member(str(pid), pid, meta))
+        return sorted(members)
 
-    def _collect_messages(self, included: list[Member], round_: int) -> tuple[list[Any], list[str], list[str], int]:
-        """Every member's decoded message (ours decoded from our own bytes, exactly as the others see it), fetched
-        concurrently and verified; bad ones are dropped."""
-        me = str(self.runtime.peer_id)
-        others = [m for m in included if m.name != me]
+    def _exchange(self, pending: PendingRound, included: list[Member], group_size: int) -> ShardOutcome:
+        """Fetch the contributors' messages, combine them in canonical order, take the outer step, and serve the
+        round's manifest (what we aggregated) so a member that missed the group can rebuild θ(t+1) from it."""
+        contributors = [m for m in included if m.meta.size > 0]
+        messages, dropped, received = self._collect_messages(pending, contributors)
+        combined = self.method.combine(
+            [r.message for r in messages], [float(r.tokens) for r in messages], [r.name for r in messages]
+        )
+        dropped += [f"{messages[i].name}: {reason}" for i, reason in combined.dropped]
+        new = self.method.update(pending.start, combined)
+        used = [messages[i] for i in combined.used]
+        self._serve_manifest(pending, used, new)
+        if pending.payload is not None:  # stay until the others have our message: quitting early truncates theirs
+            self.runtime.wait_until_fetched(
+                PAYLOAD, self.shard, pending.round, len(included) - 1, self.timeouts.fetch_timeout_s
+            )
+        sent = self.runtime.bytes_served.get((PAYLOAD, self.shard, pending.round), 0)
+        contributed = any(r.name == self.me for r in used)
+        return ShardOutcome(new, group_size, len(used), contributed, dropped, sent, received)
+
+    def _collect_messages(
+        self, pending: PendingRound, contributors: list[Member]
+    ) -> tuple[list[Received], list[str], int]:
+        """Every contributor's decoded message (ours decoded from our own bytes, exactly as the others see it),
+        fetched concurrently and verified; bad ones are dropped. Verified bytes are re-served for catch-up."""
+        others = [m for m in contributors if m.name != self.me]
 
         async def fetch_all() -> list[Any]:
             jobs = [
-                self.runtime.fetch_with_retries(m.peer_id, "payload", self.shard, round_, self.max_payload)
+                self.runtime.fetch_with_retries(m.peer_id, PAYLOAD, self.shard, pending.round, m.meta.size)
                 for m in others
             ]
             return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeouts.fetch_timeout_s)
@@ -238,72 +337,52 @@ class ShardSync:
             fetched = dict(zip([m.name for m in others], self.runtime.run(fetch_all()), strict=True))
         except TimeoutError:
             fetched = {}
-        messages, names, dropped, received = [], [], [], 0
-        fetched[me] = (self._meta["round"], self._payload)
-        for name, _, meta in included:
+        if pending.payload is not None:
+            fetched[self.me] = (pending.round, pending.payload)
+        messages, dropped, received = [], [], 0
+        for name, _, meta in contributors:
             got = fetched.get(name, TimeoutError("fetch deadline passed"))
             if isinstance(got, BaseException):
                 dropped.append(f"{name}: {got!r}")
                 continue
             data = got[1]
-            received += len(data) if name != me else 0
-            if len(data) != meta.get("size") or digest(data) != meta.get("digest"):
+            received += len(data) if name != self.me else 0
+            if len(data) != meta.size or digest(data) != meta.digest:
                 dropped.append(f"{name}: payload does not match the size/digest it announced")
                 continue
             try:
-                messages.append(self._decode(data))
-                names.append(name)
+                messages.append(Received(name, self.method.decode(data), meta.tokens, meta.digest))
             except PayloadError as e:
                 dropped.append(f"{name}: {e}")
+                continue
+            self.runtime.publish(message_kind(meta.digest), self.shard, pending.round, data)
         for reason in dropped:
-            logger.warning("shard %d round %d: dropped contribution %s", self.shard, round_, reason)
-        return messages, names, dropped, received
+            logger.warning("shard %d round %d: dropped contribution %s", self.shard, pending.round, reason)
+        return messages, dropped, received
 
-    # ----------------------------------------------------------------------------------------- outer updates
+    # -------------------------------------------------------------------------------------------------- solo
 
-    def solo(self, start: list[Tensor], current: list[Tensor], update_from: list[Tensor] | None = None) -> ShardOutcome:
-        """No one else is in this round: apply our own contribution with the same rule (a group of one).
+    def solo(self, pending: PendingRound) -> ShardOutcome:
+        """No other replica is alive: apply our own contribution with the same rule (a group of one), and serve
+        the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
+        joiner) can follow."""
+        if pending.payload is None:
+            return ShardOutcome([s.clone() for s in pending.start], 1, 0)
+        mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)
+        combined = self.method.combine([mine.message], [float(mine.tokens)], [mine.name])
+        new = self.method.update(pending.start, combined)
+        self.runtime.publish(message_kind(mine.digest), self.shard, pending.round, pending.payload)
+        self._serve_manifest(pending, [mine], new)
+        return ShardOutcome(new, 1, 1, contributed=True)
 
-        Δ = start − current; the update applies to `update_from` (default `start`; a virtual replica measures Δ
-        from its projected start but updates θ(t) itself, as every member of a group does)."""
-        base = start if update_from is None else update_from
-        message = self._decode(self._encode([s - c for s, c in zip(start, current, strict=True)]))
-        if not self.sparse:
-            return ShardOutcome(self._dense_update(base, message), 1, 1)
-        return ShardOutcome(self._sparse_update(base, aggregate([message], self.shapes).tensors), 1, 1)
-
-    def _sparse_update(self, start: list[Tensor], aggregate_: list[Tensor]) -> list[Tensor]:
-        """θ(t+1) = θ(t) − α·aggregate: plain SGD, the error feedback already plays the role of momentum."""
-        alpha = self.run.outer.outer_lr
-        return [s - alpha * a.to(s.dtype) for s, a in zip(start, aggregate_, strict=True)]
-
-    def _dense_update(self, start: list[Tensor], mean_delta: list[Tensor]) -> list[Tensor]:
-        """DiLoCo's outer Nesterov SGD: m ← μ·m + Δ̄; θ(t+1) = θ(t) − lr·(Δ̄ + μ·m)."""
-        lr, mu = self.run.outer.diloco_lr, self.run.outer.diloco_momentum
-        new = []
-        for s, d, m in zip(start, mean_delta, self.momentum, strict=True):
-            m.mul_(mu).add_(d)
-            new.append(s - lr * (d + mu * m))
-        return new
-
-    # ------------------------------------------------------------------------------------------ checkpointing
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.sparse:
-            return {"error_feedback": self.compressor.state_dict()}
-        return {"momentum": [m.clone() for m in self.momentum]}
-
-    def outer_state_tensors(self) -> list[Tensor]:
-        """The replica's own outer state: error-feedback buffers (sparseloco) or outer momentum (diloco)."""
-        return self.compressor.state_dict()["buffers"] if self.sparse else self.momentum
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sparse:
-            self.compressor.load_state_dict(state["error_feedback"])
-        else:
-            for m, saved in zip(self.momentum, state["momentum"], strict=True):
-                m.copy_(saved)
+    def _serve_manifest(self, pending: PendingRound, used: list[Received], new: list[Tensor]) -> None:
+        manifest = encode_manifest(
+            pending.round, pending.meta.start_fp, fingerprint(new), [(r.name, r.digest, r.tokens) for r in used]
+        )
+        self.runtime.publish(MANIFEST, self.shard, pending.round, manifest)
 
     def shutdown(self) -> None:
+        """Leave the averaging group; bounded even when the averager's process is already gone (a signal to the
+        whole process group)."""
         if self.averager.is_alive():
             self.averager.shutdown()

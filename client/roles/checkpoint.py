@@ -7,7 +7,6 @@ and renamed, so a crash mid-write leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -48,19 +47,4 @@ def load_checkpoint(directory: Path, run_id: str) -> dict[str, Any] | None:
             f"checkpoint {path} belongs to run {state['run_id']}, not to this run ({run_id}); "
             "use another --checkpoint-dir or remove it"
         )
-    return state
-
-
-def to_bytes(state: dict[str, Any]) -> bytes:
-    """Serialize a state for the wire (tensors and plain Python values only)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def from_bytes(data: bytes) -> dict[str, Any]:
-    """Deserialize a peer's state; `weights_only` so a malicious peer cannot run code on us."""
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise CheckpointError("peer state is not a dictionary")
     return state

@@ -14,7 +14,9 @@ class RoundRecord:
 
     round: int
     inner_steps: int
+    """Inner steps this replica trained in the round (rounds are time-boxed: fewer on a slower machine)."""
     tokens: int
+    """Tokens trained in the round: the weight of its contribution."""
     train_loss: float | None
     """None on pipeline stages other than the last (the loss is computed there)."""
     eval_loss: float | None
@@ -27,6 +29,7 @@ class RoundRecord:
     contributors: int = 0
     dropped: list[str] = field(default_factory=list)
     resynced: bool = False
+    """This replica trained, but its contribution is not in the round's aggregate (it missed the group)."""
     dense_allreduce_bytes: int = 0
     """What a dense fp32 butterfly all-reduce of the same weights would send per peer in this group."""
     boundary_bytes_sent: int = 0
@@ -34,6 +37,19 @@ class RoundRecord:
     boundary_bytes_received: int = 0
     boundary_tokens: int = 0
     """Tokens carried by the training messages this stage sent."""
+    contributed: bool = False
+    """Its message is part of the aggregate of a group of at least two (every shard it holds)."""
+    sat_out: bool = False
+    """It trained too little to contribute (late start, broken pipeline) and received the round's result."""
+    caught_up: str = ""
+    """How it got θ(t+1) when not from its group: "messages" (the round's manifest and messages), "state" (a
+    peer's whole state), "void" (nobody completed the round: θ(t+1) = θ(t)); "" from its group."""
+    catch_up_bytes: int = 0
+    """Bytes downloaded to catch up this round (messages or state)."""
+    wait_s: float = 0.0
+    """Seconds training was blocked waiting for the round's exchange (with --overlap only what did not overlap)."""
+    round_s: float = 0.0
+    """The round length the deadline came from (0: not time-boxed)."""
 
 
 class MetricsWriter:

@@ -33,8 +33,9 @@ from hetero_node.protocol.proto_build import load_proto_module
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
 
-FORWARD, BACKWARD, EVAL = 0, 1, 2
-KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", EVAL: "eval"}
+FORWARD, BACKWARD, EVAL, END = 0, 1, 2, 3
+"""Message kinds; END closes a round's training: `count` inner steps were trained (0: the VR sits the round out)."""
+KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward", EVAL: "eval", END: "end"}
 MAX_EVAL_BATCHES = 64
 MAX_QUEUED = 256
 """Accepted messages waiting for the worker; a sender that floods a stage is refused beyond this."""
@@ -86,9 +87,9 @@ class StageInbox:
     """The receiving side: the handler validates and queues, the worker takes (see the module docstring)."""
 
     def __init__(
-        self, fmt: codec.BoundaryFormat, inner_steps: int, microbatch_sizes: list[int], seq_len: int, batch_size: int
+        self, fmt: codec.BoundaryFormat, max_steps: int, microbatch_sizes: list[int], seq_len: int, batch_size: int
     ) -> None:
-        self.fmt, self.inner_steps, self.sizes, self.seq_len = fmt, inner_steps, microbatch_sizes, seq_len
+        self.fmt, self.max_steps, self.sizes, self.seq_len = fmt, max_steps, microbatch_sizes, seq_len
         self.batch_size = batch_size  # eval batches travel whole
         self.expect = Expectation()
         self._queue: list[StageMessage] = []
@@ -177,16 +178,21 @@ class StageInbox:
         if h.kind == EVAL:
             if not (h.step == 0 and 0 <= h.count <= MAX_EVAL_BATCHES and h.microbatch < max(h.count, 1)):
                 raise PayloadError(f"eval batch {h.microbatch} of {h.count} at step {h.step}")
+        elif h.kind == END:
+            if not (h.step == 0 and h.microbatch == 0 and h.count <= self.max_steps and not payload):
+                raise PayloadError(f"end of round after {h.count} steps (step {h.step}, {len(payload)} bytes)")
         elif h.count != 0:
             raise PayloadError(f"a {KIND_NAMES[h.kind]} message carries no count, got {h.count}")
-        elif not (h.step < self.inner_steps and h.microbatch < len(self.sizes)):
-            limits = f"{self.inner_steps} × {len(self.sizes)}"
+        elif not (h.step < self.max_steps and h.microbatch < len(self.sizes)):
+            limits = f"{self.max_steps} × {len(self.sizes)}"
             raise PayloadError(f"step {h.step} / microbatch {h.microbatch} outside {limits}")
         with self._cond:
             if _slot(h) in self._seen:
                 raise PayloadError("duplicate message")
             if len(self._queue) >= MAX_QUEUED:
                 raise PayloadError("too many messages waiting")
+        if h.kind == END:
+            return StageMessage(h, None, None, None, wire_bytes)
         if h.kind == EVAL and h.count == 0:
             if payload:
                 raise PayloadError("an empty eval pass carries no payload")

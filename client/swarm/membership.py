@@ -13,32 +13,34 @@ import logging
 import threading
 from typing import Any
 
-from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, PeerInfo, Plan, Requirements, plan
+from hetero_node.client.swarm.planner import PeerInfo, Plan, Requirements, plan
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
 
 logger = logging.getLogger(__name__)
 
 GB = 1e9
 
 
-def peer_info(record: dict[str, Any]) -> PeerInfo:
+def peer_info(record: PeerRecord) -> PeerInfo:
     """The planner's view of a (schema-valid) record."""
     return PeerInfo(
-        peer_id=record["peer_id"],
-        memory_bytes=int(record["memory_gb"] * GB),
-        upload_mbps=record["upload_mbps"],
-        download_mbps=record["download_mbps"],
-        tokens_per_s=record["tokens_per_s"],
-        role=record["role"],
-        vr=record["vr"],
-        stage=record["stage"],
-        requested_role=record["requested_role"],
-        pinned_stage=record["pinned_stage"],
+        peer_id=record.peer_id,
+        memory_bytes=int(record.memory_gb * GB),
+        upload_mbps=record.upload_mbps,
+        download_mbps=record.download_mbps,
+        tokens_per_s=record.tokens_per_s,
+        role=record.role,
+        vr=record.vr,
+        stage=record.stage,
+        requested_role=record.requested_role,
+        pinned_stage=record.pinned_stage,
     )
 
 
-def plan_from_records(records: dict[str, dict[str, Any]], req: Requirements) -> Plan:
+def plan_from_records(records: dict[str, PeerRecord], req: Requirements) -> Plan:
     return plan((peer_info(r) for r in records.values()), req)
 
 
@@ -49,31 +51,32 @@ class Membership:
         self,
         runtime: PeerRuntime,
         req: Requirements,
-        record: dict[str, Any],
+        record: PeerRecord,
         refresh_s: float,
         settle_s: float,
         stop: threading.Event,
     ) -> None:
         self.runtime, self.req, self.refresh_s, self.settle_s = runtime, req, refresh_s, settle_s
-        self.record = dict(record)
-        self.me = record["peer_id"]
+        self.record = record
+        self.me = record.peer_id
         self.stop = stop  # the node's "leaving" flag: ends the watcher, and training
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
 
     @property
     def role(self) -> str:
-        return self.record["role"]
+        return self.record.role
 
     def update(self, **fields: Any) -> None:
+        """Change fields of our record (validated: a wrong type is a bug, caught here) and publish it at once."""
         with self._lock:
-            self.record.update(fields)
-            self.runtime.announce(dict(self.record), self.refresh_s)
+            self.record = PeerRecord(**{**self.record.dict(), **fields})
+            self.runtime.announce(self.record, self.refresh_s)
 
-    def _records(self) -> dict[str, dict[str, Any]]:
+    def _records(self) -> dict[str, PeerRecord]:
         """Live records, ours as we last wrote it (the DHT may not show our newest write yet)."""
         records = self.runtime.read_records() or {}
-        records[self.me] = dict(self.record)
+        records[self.me] = self.record
         return records
 
     def _apply(self, current: Plan) -> None:
@@ -83,13 +86,13 @@ class Membership:
         vr, stage = current.slots.get(self.me, (-1, -1))
         self.update(role=role, vr=vr, stage=stage)
 
-    def _contested(self, records: dict[str, dict[str, Any]]) -> bool:
+    def _contested(self, records: dict[str, PeerRecord]) -> bool:
         """Someone with a lower peer id holds our slot: they keep it (the planner's rule), we move."""
         if self.role != ROLE_STAGE:
             return False
-        slot = (self.record["vr"], self.record["stage"])
+        slot = (self.record.vr, self.record.stage)
         return any(
-            r["role"] == ROLE_STAGE and (r["vr"], r["stage"]) == slot and pid < self.me
+            r.role == ROLE_STAGE and (r.vr, r.stage) == slot and pid < self.me
             for pid, r in records.items()
             if pid != self.me
         )
@@ -118,10 +121,10 @@ class Membership:
 
     @property
     def slot(self) -> tuple[int, int]:
-        return self.record["vr"], self.record["stage"]
+        return self.record.vr, self.record.stage
 
     def _slot_text(self) -> str:
-        return f" (vr {self.record['vr']}, stage {self.record['stage']})" if self.role == ROLE_STAGE else ""
+        return f" (vr {self.record.vr}, stage {self.record.stage})" if self.role == ROLE_STAGE else ""
 
     def _refresh_view(self) -> None:
         """Re-plan from the current records; publish the digest if it changed; move off a contested slot."""
@@ -131,7 +134,7 @@ class Membership:
             logger.warning("lost slot vr %d stage %d to a lower peer id; planning again", *self.slot)
             self._apply(current)
             return
-        if current.digest() != self.record["view"]:
+        if current.digest() != self.record.view:
             self.update(view=current.digest())
 
     def watch(self) -> None:

@@ -19,8 +19,14 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-ROLE_FULL, ROLE_STAGE, ROLE_JOINING = "full", "stage", "joining"
-REQUEST_AUTO, REQUEST_FULL, REQUEST_STAGE = "auto", "full", "stage"
+from hetero_node.protocol.roles import (
+    REQUEST_AUTO,
+    REQUEST_FULL,
+    REQUEST_STAGE,
+    ROLE_FULL,
+    ROLE_JOINING,
+    ROLE_STAGE,
+)
 
 # Link rates at or below this (Mbps) are treated as this, so log ratios stay finite for peers that report 0.
 _MIN_LINK_MBPS = 1e-3

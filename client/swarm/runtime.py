@@ -23,17 +23,20 @@ from hetero_node.protocol.errors import PeerAddressError
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
-from hetero_node.protocol.records import base_validators, parse_peer_record, run_validators
+from hetero_node.protocol.records import PeerRecord, base_validators, parse_peer_record, run_validators
 from hetero_node.protocol.signing import load_or_create_signing_key, signing_key_path
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
 
 T = TypeVar("T")
+LATEST_KINDS = ("state", "fixed")
+"""Blob kinds a peer serves its newest copy of, whatever round others are in (state for late joiners)."""
 BLOB_PIECE_BYTES = 1 << 20
 """Stream pieces stay far below libp2p's 4 MiB message cap (hivemind-notes: large unary messages fail)."""
 KEPT_ROUNDS = 2
-"""Payloads of the last rounds stay served, so a slow peer can still fetch them after we moved on."""
+"""Blobs of the last rounds stay served, so a slow peer can still fetch them (or catch up from them) after we
+moved on; older ones, and their byte counters, are forgotten."""
 
 
 def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
@@ -53,14 +56,14 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     return parsed
 
 
-def latest_valid_records(found: dict[Any, tuple[Any, float]]) -> dict[str, tuple[dict[str, Any], float]]:
+def latest_valid_records(found: dict[Any, tuple[Any, float]]) -> dict[str, tuple[PeerRecord, float]]:
     """(record, expiration) of records that pass the schema, by the peer id they claim; of two claiming one id
     (a peer restarted with a new signing key), the one that expires last wins."""
-    best: dict[str, tuple[dict[str, Any], float]] = {}
+    best: dict[str, tuple[PeerRecord, float]] = {}
     for value, expiration in found.values():
         record = parse_peer_record(value)
-        if record is not None and expiration > best.get(record.peer_id, ({}, float("-inf")))[1]:
-            best[record.peer_id] = (value, expiration)
+        if record is not None and (record.peer_id not in best or expiration > best[record.peer_id][1]):
+            best[record.peer_id] = (record, expiration)
     return best
 
 
@@ -112,9 +115,10 @@ class PeerRuntime:
         self._thread.start()
         self._blobs: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
         self._blobs_lock = threading.Lock()
+        self._dht_lock = threading.Lock()  # hivemind's DHT writes requests to one pipe without a lock of its own
         self.bytes_served: dict[tuple[str, int, int], int] = defaultdict(int)
         self.requests_served: dict[tuple[str, int, int], int] = defaultdict(int)
-        self._record: tuple[dict[str, Any], float] = ({}, 0.0)
+        self._record: tuple[PeerRecord | None, float] = (None, 0.0)
         self._heartbeat: Any = None
         self.p2p = self.run(self.dht.replicate_p2p())
         self.peer_id = self.p2p.peer_id
@@ -148,17 +152,25 @@ class PeerRuntime:
     # ------------------------------------------------------------------------------------------------ blobs
 
     def publish(self, kind: str, shard: int, round_: int, data: bytes) -> None:
-        """Serve `data` as (kind, shard, round); older rounds beyond KEPT_ROUNDS are forgotten."""
+        """Serve `data` as (kind, shard, round); blobs of rounds KEPT_ROUNDS or more below it are forgotten (for
+        every kind: one-off kinds such as a round's re-served messages go away entirely)."""
         with self._blobs_lock:
-            rounds = self._blobs[(kind, shard)]
-            rounds[round_] = data
-            for old in sorted(rounds)[:-KEPT_ROUNDS]:
-                del rounds[old]
+            self._blobs[(kind, shard)][round_] = data
+            oldest = round_ - KEPT_ROUNDS + 1
+            for key in list(self._blobs):
+                rounds = self._blobs[key]
+                for old in [r for r in rounds if r < oldest and (key[0] == kind or key[0] not in LATEST_KINDS)]:
+                    del rounds[old]
+                if not rounds:
+                    del self._blobs[key]
+            for counters in (self.bytes_served, self.requests_served):
+                for stale in [k for k in counters if k[2] < oldest]:
+                    del counters[stale]
 
     def _lookup(self, kind: str, shard: int, round_: int) -> tuple[int, bytes] | None:
         with self._blobs_lock:
             rounds = self._blobs.get((kind, shard), {})
-            if kind == "state":  # any state at least as new as asked for; the newest one
+            if kind in LATEST_KINDS and round_ not in rounds:  # the asked round, else the newest one after it
                 newest = max((r for r in rounds if r >= round_), default=None)
                 return None if newest is None else (newest, rounds[newest])
             return (round_, rounds[round_]) if round_ in rounds else None
@@ -226,7 +238,7 @@ class PeerRuntime:
 
     # ---------------------------------------------------------------------------------------------- records
 
-    def announce(self, record: dict[str, Any], refresh_s: float) -> None:
+    def announce(self, record: PeerRecord, refresh_s: float) -> None:
         """Publish our signed peer record now and re-publish it every `refresh_s` until replaced or shut down.
 
         It expires 3 × refresh_s after its last refresh, so a dead peer disappears from everyone's view while a
@@ -241,32 +253,35 @@ class PeerRuntime:
         from hivemind.utils import get_dht_time
 
         record, refresh_s = self._record
-        self.dht.store(
-            peers_key(self.run_id),
-            subkey=self.signer.local_public_key,
-            value=record,
-            expiration_time=get_dht_time() + 3 * refresh_s,
-            return_future=True,  # a lost store is repaired by the next refresh (hivemind-notes, H)
-        )
+        assert record is not None
+        with self._dht_lock:
+            self.dht.store(
+                peers_key(self.run_id),
+                subkey=self.signer.local_public_key,
+                value=record.dict(),
+                expiration_time=get_dht_time() + 3 * refresh_s,
+                return_future=True,  # a lost store is repaired by the next refresh (hivemind may report False)
+            )
 
     async def _refresh_record(self) -> None:
         while True:
             await asyncio.sleep(self._record[1])
             self._store_record()
 
-    def read_records(self, timeout: float = 5.0) -> dict[str, dict[str, Any]] | None:
+    def read_records(self, timeout: float = 5.0) -> dict[str, PeerRecord] | None:
         """Live peers' valid records by peer id (ours included); None when the DHT does not answer in time."""
         timed = self.read_records_timed(timeout)
         return None if timed is None else {pid: record for pid, (record, _) in timed.items()}
 
-    def read_records_timed(self, timeout: float = 5.0) -> dict[str, tuple[dict[str, Any], float]] | None:
+    def read_records_timed(self, timeout: float = 5.0) -> dict[str, tuple[PeerRecord, float]] | None:
         """As `read_records`, with each record's DHT expiration time."""
         found = self._get(peers_key(self.run_id), timeout)
         return None if found is None else latest_valid_records(found)
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""
-        future = self.dht.get(key, latest=True, return_future=True)
+        with self._dht_lock:
+            future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = future.result(timeout)
         except Exception as e:  # a DHT that does not answer must not stall training (hivemind-notes, H)

@@ -2,29 +2,43 @@
 
 A shard's averaging group holds every full replica plus, from each complete virtual replica, the peer serving
 that shard's stage; a virtual replica counts as one replica. An incomplete one (a stage missing) cannot train,
-so the groups do not wait for it.
+so the groups do not wait for it. `slot_holders` is the one answer to "who holds (vr, stage)": the status view,
+the stage peers and the groups all use it, so they never disagree during a contested slot.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 
-from hetero_node.client.swarm.planner import ROLE_FULL, ROLE_STAGE
-
-Records = dict[str, dict[str, Any]]
+Records = dict[str, PeerRecord]
 
 
 def full_replicas(records: Records) -> Records:
-    return {pid: r for pid, r in records.items() if r.get("role") == ROLE_FULL}
+    return {pid: r for pid, r in records.items() if r.role == ROLE_FULL}
 
 
-def virtual_replicas(records: Records, n_stages: int) -> dict[int, dict[int, str]]:
-    """Complete virtual replicas: vr → {stage: peer id}; of two records claiming one slot the lower id wins."""
-    slots: dict[int, dict[int, str]] = {}
+def slot_holders(records: Records, n_stages: int) -> dict[tuple[int, int], str]:
+    """(vr, stage) → the peer holding it; of two records claiming one slot the lower peer id wins (the planner's
+    rule), so the other is about to move."""
+    holders: dict[tuple[int, int], str] = {}
     for pid, r in sorted(records.items()):
-        if r.get("role") == ROLE_STAGE and r.get("vr", -1) >= 0 and 0 <= r.get("stage", -1) < n_stages:
-            slots.setdefault(r["vr"], {}).setdefault(r["stage"], pid)
-    return {vr: held for vr, held in sorted(slots.items()) if len(held) == n_stages}
+        if r.role == ROLE_STAGE and r.vr >= 0 and 0 <= r.stage < n_stages:
+            holders.setdefault((r.vr, r.stage), pid)
+    return holders
+
+
+def vr_stages(records: Records, vr: int, n_stages: int) -> dict[int, str]:
+    """stage → holder of one virtual replica, complete or not."""
+    return {s: pid for (v, s), pid in sorted(slot_holders(records, n_stages).items()) if v == vr}
+
+
+def virtual_replicas(records: Records, n_stages: int, complete: bool = True) -> dict[int, dict[int, str]]:
+    """vr → {stage: peer id}: the complete virtual replicas (all of them with `complete=False`)."""
+    slots: dict[int, dict[int, str]] = {}
+    for (vr, stage), pid in sorted(slot_holders(records, n_stages).items()):
+        slots.setdefault(vr, {})[stage] = pid
+    return {vr: held for vr, held in slots.items() if len(held) == n_stages or not complete}
 
 
 def shard_members(records: Records, shard: int, n_stages: int) -> list[str]:
@@ -34,9 +48,10 @@ def shard_members(records: Records, shard: int, n_stages: int) -> list[str]:
 
 
 def expected_group_size(records: Records, round_: int, shard: int, n_stages: int) -> int:
-    """Members of the shard's group that are in `round_` (at least 2: a group of one is a solo step)."""
+    """Members of the shard's group that train (or contribute to) `round_`: everyone the group waits for (at least
+    2: a group of one is a solo step)."""
     members = shard_members(records, shard, n_stages)
-    return max(2, sum(1 for pid in members if records[pid].get("round") == round_))
+    return max(2, sum(1 for pid in members if records[pid].train_round == round_))
 
 
 def replica_count(records: Records, n_stages: int) -> int:
@@ -46,8 +61,14 @@ def replica_count(records: Records, n_stages: int) -> int:
 
 def shard_donors(records: Records, shard: int) -> Records:
     """Peers that serve the shard's state: full replicas, and stage peers of that stage."""
-    return {
-        pid: r
-        for pid, r in records.items()
-        if r.get("role") == ROLE_FULL or (r.get("role") == ROLE_STAGE and r.get("stage") == shard)
-    }
+    return {pid: r for pid, r in records.items() if r.role == ROLE_FULL or (r.role == ROLE_STAGE and r.stage == shard)}
+
+
+def swarm_round(records: Records, me: str) -> int:
+    """The round the others hold, as most of them tell it: the upper median of their rounds (0 when alone).
+
+    Not the maximum: one record claiming a far-ahead round must not send everyone to fetch it (a liar, or a clock
+    gone wrong); one honest peer ahead of one behind still counts (the upper median of two is the larger).
+    """
+    rounds = sorted(r.round for pid, r in records.items() if pid != me)
+    return rounds[len(rounds) // 2] if rounds else 0

@@ -10,7 +10,6 @@ import struct
 import sys
 
 from hetero_node.client.cli import app
-from hetero_node.client.outer import shard_sync
 from hetero_node.protocol import sparse_codec
 
 MODE = sys.argv.pop(1)
@@ -30,5 +29,5 @@ def corrupted_encode(msg: object) -> bytes:
     raise SystemExit(f"unknown fault {MODE}")
 
 
-shard_sync.sparse_codec.encode = corrupted_encode  # the node's encoder; decode stays honest
+sparse_codec.encode = corrupted_encode  # what the node encodes its messages with; decode stays honest
 app.main()

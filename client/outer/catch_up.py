@@ -1,0 +1,83 @@
+"""Sparse catch-up: a member that missed round t's group, but holds θ(t), rebuilds θ(t+1) from the round's messages.
+
+Every member that completed round t serves its manifest (who contributed, with which digest and weight, the start
+fingerprint and the result's fingerprint) and re-serves the messages it aggregated. The late member fetches the
+manifest and the messages from one such peer, checks every digest, combines them with the run's outer method
+exactly as the group did, and accepts the result only if its fingerprint is the one the manifest states. That
+costs the round's messages (R × 0.0273·N bytes for SparseLoCo) instead of the shard's whole state (4·N bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from hetero_node.client.outer.shard_sync import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    ShardSync,
+    digest,
+    message_kind,
+    parse_manifest,
+)
+from hetero_node.models.shards import fingerprint
+from hetero_node.protocol.errors import PayloadError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaughtUp:
+    """θ(t+1) of one shard rebuilt from round t's messages, and what it cost."""
+
+    tensors: list[Tensor]
+    bytes_received: int
+    donor: str
+
+
+def catch_up_shard(
+    sync: ShardSync, round_: int, start: list[Tensor], start_fp: str, donors: list[str], timeout_s: float
+) -> CaughtUp | None:
+    """θ(t+1) of `sync`'s shard from the manifest and messages of `round_`, served by the first of `donors` (peer
+    ids, best first) that has them and whose result checks out; None when none does."""
+    from hivemind.p2p import PeerID
+
+    runtime, method = sync.runtime, sync.method
+    for donor in donors:
+        peer = PeerID.from_base58(donor)
+        shared = [t.clone() for t in method.shared_state() or []]
+        try:
+            _, data = runtime.fetch(peer, MANIFEST, sync.shard, round_, MAX_MANIFEST_BYTES, timeout_s)
+            manifest = parse_manifest(data, round_)
+            if manifest["start_fp"] != start_fp:
+                logger.info("round %d manifest of %s starts from %s, not ours", round_, donor, manifest["start_fp"])
+                continue
+            received, messages = len(data), []
+            for _, message_digest, _ in manifest["members"]:
+                _, blob = runtime.fetch(
+                    peer, message_kind(message_digest), sync.shard, round_, method.max_message_bytes, timeout_s
+                )
+                if digest(blob) != message_digest:
+                    raise PayloadError(f"message {message_digest} arrived with another digest")
+                received += len(blob)
+                messages.append(method.decode(blob))
+            names = [m[0] for m in manifest["members"]]
+            combined = method.combine(messages, [float(m[2]) for m in manifest["members"]], names)
+            if len(combined.used) != len(messages):
+                raise PayloadError("the manifest lists a message the rule drops")
+            new = method.update(start, combined)
+            if fingerprint(new) != manifest["result_fp"]:
+                raise PayloadError("the rebuilt state does not match the manifest's result fingerprint")
+        except Exception as e:  # a bad donor is skipped, never trusted
+            if shared:
+                method.load_shared_state(shared)  # undo a momentum update of a rejected rebuild
+            logger.warning("catching up round %d of shard %d from %s failed: %r", round_, sync.shard, donor, e)
+            continue
+        logger.warning(
+            "caught up round %d of shard %d from its %d messages (%d bytes) served by %s",
+            round_, sync.shard, len(messages), received, donor,
+        )  # fmt: skip
+        return CaughtUp(new, received, donor)
+    return None

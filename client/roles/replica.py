@@ -1,0 +1,599 @@
+"""The round loop every replica runs, a full replica or one stage of a virtual replica, top to bottom:
+
+    catch up if the swarm is ahead → plan round t (its deadline) → train until the deadline → contribute Δ to every
+    held shard's group → settle: θ(t+1) from the group, else from the round's messages, else from a peer's state
+    → upkeep (subspace), publish, eval, checkpoint, metrics
+
+A role supplies only what differs (`train`, `upkeep`, `evaluate`, who may serve its shards); the loop, catch-up,
+contributions and their settling are written once, here.
+
+State: `start[s]` is θ(t) of each held shard, the weights every member of round t agrees on (their fingerprints
+are what records advertise and groups compare); the live parameters are the local weights that train.
+
+Overlap (`--overlap`, full replicas): round t's exchange runs in worker threads while round t+1 already trains
+from the local weights W(t) reached at round t's deadline. When θ(t+1) arrives (between two inner steps, or at
+round t+1's deadline at the latest) the local progress δ made since the deadline is kept: the weights become
+θ(t+1) + δ, with δ = W − W(t). Round t+1's pseudo-gradient is then measured from θ(t+1), so δ is part of it, and
+every member still agrees on θ(t+1) bit for bit. Without overlap δ is zero and the weights become θ(t+1).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import signal
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.outer.catch_up import catch_up_shard
+from hetero_node.client.outer.shard_state import FIXED, ShardStates, state_fingerprint
+from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
+from hetero_node.client.roles.checkpoint import load_checkpoint, save_checkpoint
+from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord
+from hetero_node.client.roles.schedule import RoundClock, RoundPlan
+from hetero_node.client.swarm import view
+from hetero_node.client.swarm.membership import Membership
+from hetero_node.client.swarm.runtime import KEPT_ROUNDS, PeerRuntime
+from hetero_node.models.shards import fingerprint
+from hetero_node.models.trainer import InnerTrainer
+from hetero_node.protocol.errors import CheckpointError, PayloadError
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.run_config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+DEADLINE_REFRESH_S = (0.25, 2.0)
+"""While training, re-read the records every quarter of a round, within these bounds (seconds), to adopt an
+earlier deadline of the round."""
+STEP_STRIDE = 1 << 20
+"""Batch index of inner step i of round t: t·STEP_STRIDE + i (unique however many steps a round has)."""
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What a replica's inner loop did in one round."""
+
+    steps: int
+    tokens: int
+    loss: float | None
+    """Mean training loss (None where the loss is computed elsewhere: pipeline stages before the last)."""
+    compute_s: float
+
+
+@dataclass
+class InFlight:
+    """A round whose contribution is out: its shards' pending rounds and the workers finishing them."""
+
+    plan: RoundPlan
+    trained: Trained | None
+    pendings: dict[int, PendingRound]
+    futures: dict[int, concurrent.futures.Future[ShardOutcome]]
+    cutoff: dict[int, list[Tensor]] | None
+    """Local weights at the deadline (the rebase point under --overlap; None: nothing trains meanwhile)."""
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def round(self) -> int:
+        return self.plan.round
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures.values())
+
+
+@dataclass
+class Settled:
+    """How a round ended for this replica."""
+
+    outcomes: dict[int, ShardOutcome] = field(default_factory=dict)
+    caught_up: str = ""
+    catch_up_bytes: int = 0
+
+
+def leave_on_signals(stop: threading.Event) -> None:
+    """Ctrl-C / SIGTERM: leave after the current step, shutting the averagers, DHT and p2pd down (killing only the
+    main process would orphan them). Installed again after the averagers start: hivemind's averager sets SIGINT to
+    ignored in the process that creates it."""
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        logger.warning("signal %d: leaving the swarm", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
+    future: concurrent.futures.Future[ShardOutcome] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class Replica(ABC):
+    """A replica's life in the swarm (see the module docstring); `run()` blocks until the run ends."""
+
+    role_name: str
+
+    def __init__(
+        self,
+        run: RunConfig,
+        node: NodeConfig,
+        timeouts: SyncTimeouts,
+        runtime: PeerRuntime,
+        membership: Membership,
+        overlap: bool,
+    ) -> None:
+        self.run_cfg, self.node, self.timeouts = run, node, timeouts
+        self.runtime, self.membership, self.stop = runtime, membership, membership.stop
+        self.me = str(runtime.peer_id)
+        self.overlap = overlap
+        self.round = 0
+        self.clock = RoundClock(run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap)
+        self.syncs: dict[int, ShardSync] = {}
+        self.start: dict[int, list[Tensor]] = {}
+        self.in_flight: InFlight | None = None
+        self.on_round: Callable[[RoundRecord], None] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
+
+    # ------------------------------------------------------------------------------------------- role hooks
+
+    @property
+    @abstractmethod
+    def params(self) -> dict[int, list[Tensor]]:
+        """The live parameter tensors of every shard this replica holds."""
+
+    @property
+    @abstractmethod
+    def fixed_table(self) -> Tensor | None:
+        """T_fixed in a subspace run (part of every shard's state and fingerprint), else None."""
+
+    @abstractmethod
+    def train(self, plan: RoundPlan) -> Trained | None:
+        """Inner steps of round `plan.round` until the plan says stop (calling `between_steps` after each);
+        None when this replica does not train the round (`plan.sit_out`, or it could not): it then receives the
+        round's result."""
+
+    @abstractmethod
+    def upkeep(self, new_round: int) -> bool:
+        """After θ(t+1) is in the parameters: the subspace upkeep every peer does; False when it failed."""
+
+    @abstractmethod
+    def evaluate(self, round_: int, trained: bool) -> float | None:
+        """Held-out loss of θ(t+1) after round `round_` (None when this peer does not compute it, or eval is not
+        due); `trained`: whether this replica trained the round (a virtual replica that did not skips its eval
+        pass, all stages alike)."""
+
+    @abstractmethod
+    def donors(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """The records of peers that may serve our shards' states."""
+
+    @abstractmethod
+    def metrics_header(self) -> dict[str, Any]:
+        """The metrics file's header: role, stage, vr, replica id, parameters."""
+
+    def deltas(self, shard: int) -> list[Tensor]:
+        """Δ = θ(t) − θ_local of a shard (a virtual replica measures it from its projected start)."""
+        return [s - p.detach() for s, p in zip(self.start[shard], self.params[shard], strict=True)]
+
+    def round_extras(self) -> dict[str, Any]:
+        """Role-specific fields of the round's metrics (pipeline boundary bytes)."""
+        return {}
+
+    @property
+    @abstractmethod
+    def module(self) -> torch.nn.Module:
+        """The trained module (the whole model, or this stage's layers)."""
+
+    @property
+    @abstractmethod
+    def trainer(self) -> InnerTrainer:
+        """The module's inner optimizer."""
+
+    def slot(self) -> list[int]:
+        """Which part of the model this replica holds (a checkpoint only resumes the same part)."""
+        return sorted(self.syncs)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def checkpoint(self) -> None:
+        """θ(t+1), the optimizer and the outer method's state (error feedback), written atomically each round."""
+        if self.node.checkpoint_dir is None:
+            return
+        state = {
+            "run_id": self.run_cfg.run_id,
+            "round": self.round,
+            "slot": self.slot(),
+            "model": self.module.state_dict(),
+            "trainer": self.trainer.state_dict(),
+            "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
+        }
+        save_checkpoint(self.node.checkpoint_dir, state)
+
+    def restore(self) -> None:
+        """Resume from our checkpoint; a corrupt one is an error unless a peer can provide the current state, and
+        one of another part of the model (a stage peer placed elsewhere) is left alone."""
+        if self.node.checkpoint_dir is None:
+            return
+        try:
+            state = load_checkpoint(self.node.checkpoint_dir, self.run_cfg.run_id)
+        except CheckpointError as e:
+            logger.error("%s; loading the current state from peers instead", e)
+            if self.load_state(min_round=0, wait_s=self.timeouts.round_timeout_s) is None:
+                raise CheckpointError(f"{e}, and no peer could provide the current state") from None
+            return
+        if state is None:
+            return
+        if state.get("slot", self.slot()) != self.slot():
+            logger.warning("the checkpoint holds shards %s, this node now holds %s; not resuming it", state["slot"],
+                           self.slot())  # fmt: skip
+            return
+        self.module.load_state_dict(state["model"])
+        self.trainer.load_state_dict(state["trainer"])
+        for shard, sync_state in zip(sorted(self.syncs), state["syncs"], strict=True):
+            self.syncs[shard].method.load_state_dict(sync_state)
+        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.round = int(state["round"])
+        outer_state = fingerprint([t for s in sorted(self.syncs) for t in self.syncs[s].method.private_tensors()])
+        logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
+
+    # -------------------------------------------------------------------------------------------- the loop
+
+    def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> None:
+        """Join, catch up, train every round, leave cleanly (the runtime, DHT and p2pd, belongs to the caller)."""
+        self.on_round = on_round
+        try:
+            self.setup()
+            self.restore()
+            self.wait_for_peers()
+            rounds = self.run_cfg.outer.rounds
+            while not self.stop.is_set() and self.keep_serving():
+                if self.in_flight is None:
+                    self.catch_up()
+                t = self.round + (self.in_flight is not None)  # under overlap, the round after the one in flight
+                if t >= rounds:
+                    self.settle(wait=True)
+                    break
+                plan = self.plan(t)
+                trained = self.train(plan)
+                self.settle(wait=True)  # Δ is measured from θ(t): round t−1's result must be in
+                if self.round != t:  # the swarm moved past the round we trained: that work is stale
+                    continue
+                self.contribute(plan, trained)
+                if not self.overlap:
+                    self.settle(wait=True)
+            if not self.stop.is_set():  # serve the final state and messages to slower peers for a while
+                self.stop.wait(self.node.linger_s)
+        finally:
+            self.close()
+
+    def keep_serving(self) -> bool:
+        """Whether to run another round (a stage peer stops when its slot was reassigned)."""
+        return self.round < self.run_cfg.outer.rounds or self.in_flight is not None
+
+    def setup(self) -> None:
+        """Averaging groups, state blobs and the metrics file (averagers must start in the main thread)."""
+        shapes = {s: [tuple(p.shape) for p in tensors] for s, tensors in self.params.items()}
+        self.syncs = {s: ShardSync(self.runtime, self.run_cfg, s, shape, self.timeouts) for s, shape in shapes.items()}
+        leave_on_signals(self.stop)
+        fixed = self.fixed_table
+        self.states = ShardStates(
+            self.runtime, shapes, None if fixed is None else tuple(fixed.shape), self.timeouts.fetch_timeout_s
+        )
+        self.metrics = MetricsWriter(self.node.metrics, {**self.metrics_header(), "run": self.run_cfg.to_dict()})
+        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+
+    def close(self) -> None:
+        """Leave the averaging groups; bounded, also when a signal took their processes down already."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for sync in self.syncs.values():
+            sync.shutdown()
+
+    def wait_for_peers(self, timeout_s: float = 300.0) -> None:
+        """Start together: replicas that begin a run seconds apart would miss each other's first rounds."""
+        self.announce()
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set():
+            online = view.replica_count(self.records(), self.run_cfg.outer.stages)
+            if online >= self.node.min_peers:
+                return
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "only %d of --min-peers %d replicas online; starting anyway", online, self.node.min_peers
+                )
+                return
+            time.sleep(0.5)
+
+    # -------------------------------------------------------------------------------------- records & state
+
+    def records(self, timeout: float = 5.0) -> dict[str, PeerRecord]:
+        return self.runtime.read_records(timeout) or {}
+
+    def fingerprints(self) -> dict[str, str]:
+        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), and T_fixed."""
+        fixed = self.fixed_table
+        fps = {str(s): state_fingerprint(tensors, fixed) for s, tensors in self.start.items()}
+        return fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
+
+    def announce(self, **fields: Any) -> None:
+        """Our record's progress part: the round whose θ(t) we hold, its fingerprints, and anything given."""
+        self.membership.update(round=self.round, fingerprints=self.fingerprints(), **fields)
+
+    def publish_state(self) -> None:
+        """Serve θ(t) of every held shard (and the method's shared state) to joiners and re-syncing peers."""
+        shared = {s: sync.method.shared_state() for s, sync in self.syncs.items()}
+        self.states.publish(self.round, self.start, self.fixed_table, shared)
+
+    @torch.no_grad()
+    def set_params(self, shard: int, tensors: list[Tensor]) -> None:
+        for param, value in zip(self.params[shard], tensors, strict=True):
+            param.copy_(value)
+
+    def load_state(self, min_round: int, wait_s: float) -> int | None:
+        """θ of every held shard at round ≥ min_round from a donor whose advertised fingerprints it matches;
+        returns the bytes downloaded, None when no donor had it in time."""
+        loaded = self.states.load(lambda: self.donors(self.records()), min_round, wait_s, self.stop)
+        if loaded is None:
+            return None
+        new_round, states, size = loaded
+        for shard, state in states.items():
+            self.set_params(shard, state["tensors"])
+            try:
+                self.syncs[shard].method.load_shared_state(state.get("shared") or [])
+            except PayloadError as e:  # the fingerprint covers the weights, not the shared state: keep ours
+                logger.warning("shard %d: the donor's outer state is unusable (%s); keeping ours", shard, e)
+        if self.fixed_table is not None:
+            self.fixed_table.copy_(next(iter(states.values()))[FIXED])
+        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.round = new_round
+        self.publish_state()
+        self.announce()
+        return size
+
+    # ----------------------------------------------------------------------------------------- catching up
+
+    def catch_up(self) -> None:
+        """If the swarm is ahead (we joined late, restarted, or missed rounds), reach its round: from the rounds'
+        messages while they are still served, else from a peer's state."""
+        ahead = view.swarm_round(self.donors(self.records()), self.me)
+        while self.round < ahead <= self.round + KEPT_ROUNDS and not self.stop.is_set():
+            got = self.rebuild_round(self.round, list(self.start))
+            if got is None:
+                break
+            tensors, size = got
+            self.apply(tensors, self.round + 1, caught_up=("messages", size))
+        if ahead > self.round and not self.stop.is_set():
+            size = self.load_state(min_round=ahead, wait_s=0.0)
+            if size is not None:
+                self.record_round(self.round - 1, None, None, Settled(caught_up="state", catch_up_bytes=size))
+
+    def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, list[Tensor]], int] | None:
+        """θ(t+1) of `shards` from round t's messages, served by peers that completed it; None if any failed."""
+        records = self.donors(self.records())
+        donors = sorted((r.round, pid) for pid, r in records.items() if pid != self.me and r.round > round_)
+        order = [pid for _, pid in donors]
+        fps = self.fingerprints()
+        tensors, size = {}, 0
+        for shard in shards:
+            got = catch_up_shard(
+                self.syncs[shard], round_, self.start[shard], fps[str(shard)], order, self.timeouts.fetch_timeout_s
+            )
+            if got is None:
+                return None
+            tensors[shard], size = got.tensors, size + got.bytes_received
+        return tensors, size
+
+    # ----------------------------------------------------------------------------------------------- round
+
+    def plan(self, t: int) -> RoundPlan:
+        """Round t's deadline and step limits; announced so the round's other replicas can adopt it."""
+        from hivemind.utils import get_dht_time
+
+        plan = self.clock.plan(t, self.records(), self.me, get_dht_time())
+        self.announce(train_round=t, deadline=plan.deadline or 0.0, step_s=round(self.clock.step_s, 4))
+        if plan.sit_out:
+            logger.warning(
+                "round %d: too late to train %d steps before its deadline; receiving only", t, plan.min_steps
+            )
+        return plan
+
+    def between_steps(self, plan: RoundPlan, last_check: list[float]) -> RoundPlan:
+        """Called by `train` after each inner step: settle an overlapped round whose result arrived, and adopt an
+        earlier deadline another replica announced. Returns the (possibly tightened) plan."""
+        self.settle(wait=False)
+        low, high = DEADLINE_REFRESH_S
+        if time.monotonic() - last_check[0] > min(high, max(low, (plan.length_s or high) / 4)):
+            last_check[0] = time.monotonic()
+            refreshed = self.clock.refresh(plan, self.records(timeout=1.0), self.me)
+            if refreshed.deadline != plan.deadline:
+                self.announce(train_round=plan.round, deadline=refreshed.deadline or 0.0)
+            return refreshed
+        return plan
+
+    def contribute(self, plan: RoundPlan, trained: Trained | None) -> None:
+        """Encode Δ for every held shard and start its group (or a solo step when no other replica is alive)."""
+        from hivemind.utils import get_dht_time
+
+        started = time.perf_counter()
+        t = plan.round
+        if trained is None:  # receive only: the round's result comes from its messages once a member has it
+            self.announce(train_round=-1, deadline=0.0)
+            self.in_flight = InFlight(plan, None, {}, {}, None)
+            return
+        self.clock.record_speed(trained.steps, trained.compute_s)
+        records = self.records()
+        fps = self.fingerprints()
+        pendings = {}
+        for shard, sync in self.syncs.items():
+            try:
+                deltas = self.deltas(shard)
+                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], deltas, trained.tokens)
+            except PayloadError as e:
+                logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); receiving only", t, shard, e)
+                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], None, 0)
+        stages = self.run_cfg.outer.stages
+        if view.replica_count(records, stages) <= 1:  # nobody else is alive: a group of one
+            futures = {s: done_future(self.syncs[s].solo(p)) for s, p in pendings.items()}
+        else:
+            scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
+            futures = {}
+            for shard, pending in pendings.items():
+                expected = view.expected_group_size(records, t, shard, stages)
+                self.syncs[shard].begin(pending, expected, scheduled)
+            for shard, pending in pendings.items():
+                futures[shard] = self._executor.submit(self.syncs[shard].finish, pending, self.moved_on(t, shard))
+        cutoff = {s: [p.detach().clone() for p in ps] for s, ps in self.params.items()} if self.overlap else None
+        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=time.perf_counter() - started)
+
+    def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
+        """Whether the shard's other members finished round t without us: more of them hold a later round than
+        are still in round t (one record claiming a later round is not enough)."""
+
+        def check() -> bool:
+            records = self.records(timeout=1.0)
+            members = [records[pid] for pid in view.shard_members(records, shard, self.run_cfg.outer.stages)]
+            others = [r for r in members if r.peer_id != self.me]
+            ahead = sum(r.round > t for r in others)
+            return ahead > 0 and ahead > sum(r.round == t for r in others)
+
+        return check
+
+    def settle(self, wait: bool) -> None:
+        """Finish the round in flight (if its workers are done, or `wait`): θ(t+1) from the group, else from the
+        round's messages, else from a peer's state, else (nobody completed it) θ(t) again; then the metrics."""
+        flight = self.in_flight
+        if flight is None or (not wait and not flight.done()):
+            return
+        self.in_flight = None
+        waited = time.perf_counter()
+        outcomes = {s: future.result() for s, future in flight.futures.items()}
+        flight.wait_s += time.perf_counter() - waited
+        settled = Settled(outcomes)
+        for shard, outcome in outcomes.items():
+            if not outcome.contributed:
+                self.syncs[shard].drop(flight.pendings[shard])  # our Δ is not in the aggregate: keep it in EF
+        new = {s: o.new_tensors for s, o in outcomes.items() if o.new_tensors is not None}
+        missing = [s for s in self.syncs if s not in new]
+        if missing:
+            how, size, rebuilt = self.obtain(flight, missing)
+            settled.caught_up, settled.catch_up_bytes = how, size
+            if how in ("state", "failed"):  # a whole state replaced ours, or we stay in round t for catch-up
+                self.rebase(flight)
+                self.record_round(flight.round, flight, None, settled)
+                return
+            new.update(rebuilt)
+        eval_loss = self.apply(new, flight.round + 1, flight)
+        self.record_round(flight.round, flight, eval_loss, settled)
+
+    def obtain(self, flight: InFlight, shards: list[int]) -> tuple[str, int, dict[int, list[Tensor]]]:
+        """θ(t+1) of `shards` when our group did not give it: (how, bytes, tensors). Waits while another member
+        may still complete round t, then rebuilds it from the round's messages ("messages"), or loads a peer's
+        state ("state", all shards at once), or, when nobody completed it, keeps θ(t) ("void"). "failed": others
+        are ahead but served nothing usable (the next round's catch-up tries again)."""
+        from hivemind.utils import get_dht_time
+
+        t = flight.round
+        end = (flight.plan.deadline or get_dht_time()) + flight.plan.grace_s + self.timeouts.round_timeout_s
+        while not self.stop.is_set():
+            records = self.records()
+            donors = self.donors(records)
+            if any(pid != self.me and r.round > t for pid, r in donors.items()):
+                rebuilt = self.rebuild_round(t, shards)
+                if rebuilt is not None:
+                    return "messages", rebuilt[1], rebuilt[0]
+                size = self.load_state(min_round=t + 1, wait_s=0.0)
+                return ("state", size, {}) if size is not None else ("failed", 0, {})
+            # someone holding θ(t) who is not only receiving may still complete the round
+            still = [pid for pid, r in donors.items() if pid != self.me and r.round == t and r.train_round != -1]
+            if not still or get_dht_time() > end:
+                break
+            time.sleep(0.5)
+        logger.warning("round %d: nobody completed it; going on from round %d's weights", t, t)
+        return "void", 0, {s: self.start[s] for s in shards}
+
+    def apply(
+        self,
+        new: dict[int, list[Tensor]],
+        new_round: int,
+        flight: InFlight | None = None,
+        caught_up: tuple[str, int] | None = None,
+    ) -> float | None:
+        """Make θ(t+1) ours: parameters, subspace upkeep, start point, record, served state; eval and checkpoint
+        it; then put back the local progress made since the deadline (overlap). Returns the eval loss.
+
+        A round rebuilt while catching up (`caught_up`: how, and the bytes it cost) is recorded here, and not
+        evaluated: the other stages of a virtual replica are not in an eval pass then."""
+        for shard, tensors in new.items():
+            self.set_params(shard, tensors)
+        if not self.upkeep(new_round):
+            self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
+            self.rebase(flight)
+            return None
+        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.round = new_round
+        self.publish_state()
+        self.announce()
+        trained = flight is not None and flight.trained is not None
+        eval_loss = self.evaluate(new_round - 1, trained) if caught_up is None else None
+        self.checkpoint()
+        self.rebase(flight)
+        if caught_up is not None:
+            self.record_round(
+                new_round - 1, None, eval_loss, Settled(caught_up=caught_up[0], catch_up_bytes=caught_up[1])
+            )
+        return eval_loss
+
+    @torch.no_grad()
+    def rebase(self, flight: InFlight | None) -> None:
+        """Keep the local progress δ made since the round's deadline on top of the new θ (overlap only)."""
+        if flight is None or flight.cutoff is None:
+            return
+        for shard, tensors in self.params.items():
+            cutoff = flight.cutoff.get(shard)
+            if cutoff is None:
+                continue
+            for param, start, mark in zip(tensors, self.start[shard], cutoff, strict=True):
+                delta = param - mark  # computed before param is overwritten
+                param.copy_(start).add_(delta)
+
+    def record_round(self, round_: int, flight: InFlight | None, eval_loss: float | None, settled: Settled) -> None:
+        """Write the round's metrics line and hand it to the caller's callback."""
+        trained = flight.trained if flight is not None else None
+        outcomes = settled.outcomes.values()
+        group = max((o.group_size for o in outcomes), default=0)
+        contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
+        n_params = sum(p.numel() for ps in self.params.values() for p in ps)
+        record = RoundRecord(
+            round=round_,
+            inner_steps=trained.steps if trained else 0,
+            tokens=trained.tokens if trained else 0,
+            train_loss=trained.loss if trained else None,
+            eval_loss=eval_loss,
+            bytes_sent=sum(o.bytes_sent for o in outcomes),
+            bytes_received=sum(o.bytes_received for o in outcomes) + settled.catch_up_bytes,
+            compute_s=trained.compute_s if trained else 0.0,
+            comm_s=(flight.comm_s + flight.wait_s) if flight else 0.0,
+            fingerprints=self.fingerprints(),
+            group_size=group,
+            contributors=min((o.contributors for o in outcomes), default=0),
+            dropped=[d for o in outcomes for d in o.dropped],
+            resynced=trained is not None and not contributed and group != 1,
+            dense_allreduce_bytes=int(2 * 4 * n_params * (group - 1) / group) if group > 1 else 0,
+            contributed=contributed,
+            sat_out=flight is not None and trained is None,
+            caught_up=settled.caught_up,
+            catch_up_bytes=settled.catch_up_bytes,
+            wait_s=flight.wait_s if flight else 0.0,
+            round_s=(flight.plan.length_s or 0.0) if flight else 0.0,
+            **self.round_extras(),
+        )
+        self.metrics.write(record)
+        if self.on_round is not None:
+            self.on_round(record)

@@ -1,0 +1,134 @@
+"""Time-boxed rounds: when a round's training ends, and how many inner steps a replica trains in it.
+
+A round is a window of wall time (DHT time), the same for every replica: each trains as many inner steps as fit
+before the round's deadline, so a slow machine trains fewer steps instead of making the others wait or missing
+the round. Its length L is `--round-s`, or H inner steps at the fastest replica's measured step time (each record
+advertises `step_s`), so the fastest replica trains about H steps and a replica three times slower about H/3.
+
+Agreement without a coordinator: a replica proposes deadline(t) = now + L when it starts round t (under
+`--overlap`, where training never pauses for the exchange, deadline(t−1) + L: a fixed cadence), announces it in
+its record, and adopts the earliest deadline any replica training round t announces, re-reading the records while
+it trains. Replicas that start a
+round together therefore stop together, and a group of that round forms as soon as they are all in (the ready
+barrier of `outer/shard_sync.py`).
+
+Steps: at least `min_inner_steps` (a replica that cannot fit them before the deadline and its grace sits the round
+out: it receives the round's result, its error feedback untouched), at most `max_inner_steps` (0: no cap);
+between them a replica starts another step only if it expects to finish it by the deadline. Until any step time
+is known (a swarm's very first round without a throughput figure) a round is H steps long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.run_config import OuterConfig
+
+STEP_EMA = 0.5
+"""Weight of the newest round in a replica's step-time estimate."""
+MIN_ROUND_FRACTION = 0.25
+"""A replica that starts a round late still gets at least this fraction of L for its own proposal."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """How one replica trains round `round`."""
+
+    round: int
+    deadline: float | None
+    """DHT time the round's training ends (None: not time-boxed, train H steps)."""
+    length_s: float | None
+    """L, the round length the deadline was derived from."""
+    grace_s: float
+    """How long after the deadline the round's group waits for members still finishing a step."""
+    min_steps: int
+    max_steps: int
+    """0: no cap."""
+    reference_steps: int
+    """H: steps of an untimed round, and the LR schedule's steps per round."""
+    sit_out: bool
+    """Too little time left for min_steps: receive the round's result without training."""
+
+    def keep_training(self, steps: int, now: float, step_s: float) -> bool:
+        """Whether to start another inner step after `steps` of them, at DHT time `now`."""
+        if self.max_steps and steps >= self.max_steps:
+            return False
+        if steps < self.min_steps:
+            return True
+        if self.deadline is None or step_s <= 0:
+            return steps < self.reference_steps
+        return now + step_s <= self.deadline
+
+    def with_deadline(self, deadline: float) -> RoundPlan:
+        return RoundPlan(
+            self.round, deadline, self.length_s, self.grace_s, self.min_steps, self.max_steps,
+            self.reference_steps, self.sit_out,
+        )  # fmt: skip
+
+
+class RoundClock:
+    """One replica's view of the round schedule (see the module docstring)."""
+
+    def __init__(self, outer: OuterConfig, matchmaking_s: float, straggler_fraction: float, cadence: bool) -> None:
+        self.outer, self.matchmaking_s, self.straggler_fraction = outer, matchmaking_s, straggler_fraction
+        self.cadence = cadence
+        """Rounds follow each other at a fixed cadence (overlap): deadline(t) = deadline(t−1) + L."""
+        self.step_s = 0.0
+        """This replica's seconds per inner step (EMA over rounds; 0 until measured)."""
+        self._last: tuple[int, float] | None = None
+        """(round, deadline) of the last round this replica planned."""
+
+    def record_speed(self, steps: int, compute_s: float) -> None:
+        """Fold a round's measured step time into the estimate."""
+        if steps > 0 and compute_s > 0:
+            measured = compute_s / steps
+            self.step_s = measured if self.step_s <= 0 else (1 - STEP_EMA) * self.step_s + STEP_EMA * measured
+
+    def round_length(self, records: dict[str, PeerRecord]) -> float | None:
+        """L: --round-s, or H steps at the fastest replica's step time (None while no step time is known)."""
+        if self.outer.round_s > 0:
+            return self.outer.round_s
+        known = [r.step_s for r in records.values() if r.step_s > 0]
+        if self.step_s > 0:
+            known.append(self.step_s)
+        return self.outer.inner_steps * min(known) if known else None
+
+    def grace(self, records: dict[str, PeerRecord], length_s: float | None) -> float:
+        """How long a group waits past the deadline: a matchmaking window, a fraction of the round, or one and a
+        half steps of the slowest member, whichever is longest."""
+        slowest = max([r.step_s for r in records.values()] + [self.step_s])
+        return max(self.matchmaking_s, self.straggler_fraction * (length_s or 0.0), 1.5 * slowest)
+
+    def plan(self, round_: int, records: dict[str, PeerRecord], me: str, now: float) -> RoundPlan:
+        """The plan for `round_` given the live records (ours included or not) at DHT time `now`."""
+        length = self.round_length(records)
+        deadline = None
+        if length is not None:
+            on_schedule = self.cadence and self._last is not None and self._last[0] == round_ - 1
+            proposal = self._last[1] + length if on_schedule else now + length
+            deadline = max(proposal, now + MIN_ROUND_FRACTION * length)
+            deadline = self.earliest(round_, records, me, deadline)
+        grace = self.grace(records, length)
+        min_steps, max_steps = self.outer.min_inner_steps, self.outer.max_inner_steps
+        sit_out = deadline is not None and self.step_s > 0 and now + min_steps * self.step_s > deadline + grace
+        if deadline is not None:
+            self._last = (round_, deadline)
+        return RoundPlan(
+            round_, deadline, length, grace, min_steps, max_steps, self.outer.inner_steps, sit_out
+        )  # fmt: skip
+
+    def earliest(self, round_: int, records: dict[str, PeerRecord], me: str, deadline: float) -> float:
+        """The earliest deadline of `round_` among ours and the ones others training it announce."""
+        announced = [r.deadline for pid, r in records.items() if pid != me and r.train_round == round_ and r.deadline]
+        return min([deadline, *announced])
+
+    def refresh(self, plan: RoundPlan, records: dict[str, PeerRecord], me: str) -> RoundPlan:
+        """Adopt an earlier deadline another replica of the round announced since we planned."""
+        if plan.deadline is None:
+            return plan
+        earliest = self.earliest(plan.round, records, me, plan.deadline)
+        if earliest < plan.deadline:
+            self._last = (plan.round, earliest)
+            return plan.with_deadline(earliest)
+        return plan

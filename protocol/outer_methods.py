@@ -1,0 +1,233 @@
+"""Outer methods as strategies: how a replica turns its pseudo-gradient into a message, and how every member of a
+shard's group turns the same messages into the same θ(t+1).
+
+One interface, two methods (the robust rule of a later issue is a third `combine`):
+
+* `encode(deltas)` → the wire message of Δ = θ(t) − θ_local, and a snapshot of the private state it changed
+  (SparseLoCo's error feedback), which `restore` puts back when the round fails for this replica;
+* `decode(payload)` → a message, strictly checked (`PayloadError` on anything malformed);
+* `combine(messages, weights, names)` → the aggregate of the messages, weighted by the tokens each replica
+  trained, summed in canonical (peer-id) order whatever order they arrive in; malformed ones are dropped;
+* `update(start, aggregate)` → θ(t+1) from θ(t). DiLoCo's outer momentum is shared state: every member updates
+  it identically, so it travels with the shard's state to late joiners (`shared_state`); SparseLoCo has none.
+
+Everything here is arithmetic every member must reproduce bit for bit, so it lives in `protocol/`; the transport
+(groups, streams, verification) is `client/outer/`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hetero_node.protocol import dense_codec, sparse_codec
+from hetero_node.protocol.aggregation import aggregate
+from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.run_config import RunConfig
+from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
+
+Shapes = Sequence[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A replica's message for one round, and how to undo what encoding it changed."""
+
+    payload: bytes
+    snapshot: Any
+    """Private state before `encode` (SparseLoCo: error-feedback buffers); `restore` takes it."""
+
+
+@dataclass(frozen=True)
+class Combined:
+    """The aggregate of one shard's messages and who took part."""
+
+    tensors: list[Tensor]
+    used: list[int]
+    """Positions (in the input order) of the messages that were aggregated."""
+    dropped: list[tuple[int, str]] = field(default_factory=list)
+
+
+class OuterMethod(ABC):
+    """One shard's outer optimizer (see the module docstring)."""
+
+    def __init__(self, shapes: Shapes) -> None:
+        self.shapes = [tuple(s) for s in shapes]
+
+    @property
+    @abstractmethod
+    def max_message_bytes(self) -> int:
+        """The exact (SparseLoCo) or largest size of one message: what a fetch may accept."""
+
+    @abstractmethod
+    def encode(self, deltas: Sequence[Tensor]) -> Encoded:
+        """This round's message; `PayloadError` (state untouched) when Δ is not finite."""
+
+    @abstractmethod
+    def restore(self, snapshot: Any) -> None:
+        """Undo `encode`: the round failed for this replica, its contribution is dropped."""
+
+    @abstractmethod
+    def decode(self, payload: bytes) -> Any:
+        """A peer's message, strictly checked; `PayloadError` if malformed."""
+
+    def combine(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
+        """The weighted aggregate of `messages`, whatever order they come in: they are summed sorted by `names`
+        (peer ids, unique), so every member gets the same bits. `used`/`dropped` index the given order."""
+        if not (len(messages) == len(weights) == len(names)) or len(set(names)) != len(names):
+            raise ValueError("combine needs one weight and one distinct name per message")
+        order = sorted(range(len(names)), key=lambda i: names[i])
+        result = self._combine_sorted([messages[i] for i in order], [weights[i] for i in order], sorted(names))
+        return Combined(
+            result.tensors, [order[i] for i in result.used], [(order[i], reason) for i, reason in result.dropped]
+        )
+
+    @abstractmethod
+    def _combine_sorted(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
+        """`combine` on messages already in canonical order."""
+
+    @abstractmethod
+    def update(self, start: Sequence[Tensor], combined: Combined) -> list[Tensor]:
+        """θ(t+1) of the shard from θ(t) = `start`; advances shared outer state (DiLoCo momentum) once."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to checkpoint: private and shared state."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`."""
+
+    @abstractmethod
+    def shared_state(self) -> list[Tensor] | None:
+        """Outer state every member holds identically (it travels with the shard's state blob); None if none."""
+
+    @abstractmethod
+    def load_shared_state(self, tensors: Sequence[Tensor]) -> None:
+        """Adopt a donor's shared state; `PayloadError` if it has the wrong shapes or is not finite."""
+
+    @abstractmethod
+    def private_tensors(self) -> list[Tensor]:
+        """The replica's own outer state (what a resumed checkpoint must bring back); for logs and tests."""
+
+
+class SparseLoCoMethod(OuterMethod):
+    """Error feedback + chunked top-k + 2-bit values; token-weighted mean over selectors; θ(t+1) = θ(t) − α·agg."""
+
+    def __init__(self, shapes: Shapes, run: RunConfig) -> None:
+        super().__init__(shapes)
+        self.config, self.alpha = run.sparseloco, run.outer.outer_lr
+        self.compressor = ErrorFeedbackCompressor(self.shapes, self.config)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return sparse_codec.message_size_bytes(self.shapes, self.config)
+
+    def encode(self, deltas: Sequence[Tensor]) -> Encoded:
+        snapshot = self.compressor.state_dict()
+        payload = sparse_codec.encode(self.compressor.compress(deltas))  # a failed compress leaves the buffers
+        return Encoded(payload, snapshot)
+
+    def restore(self, snapshot: Any) -> None:
+        self.compressor.load_state_dict(snapshot)
+
+    def decode(self, payload: bytes) -> Any:
+        return sparse_codec.decode(payload, self.shapes, self.config)
+
+    def _combine_sorted(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
+        result = aggregate(messages, self.shapes, weights, names)
+        return Combined(result.tensors, result.used, result.dropped)
+
+    def update(self, start: Sequence[Tensor], combined: Combined) -> list[Tensor]:
+        """Plain SGD: the error feedback already plays the role of momentum."""
+        return [s - self.alpha * a.to(s.dtype) for s, a in zip(start, combined.tensors, strict=True)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"error_feedback": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state["error_feedback"])
+
+    def shared_state(self) -> list[Tensor] | None:
+        return None
+
+    def load_shared_state(self, tensors: Sequence[Tensor]) -> None:
+        if tensors:
+            raise PayloadError("SparseLoCo has no shared outer state")
+
+    def private_tensors(self) -> list[Tensor]:
+        return self.compressor.state_dict()["buffers"]
+
+
+class DiLoCoMethod(OuterMethod):
+    """The dense baseline: fp32/fp16 pseudo-gradients, token-weighted mean, outer Nesterov SGD."""
+
+    def __init__(self, shapes: Shapes, run: RunConfig) -> None:
+        super().__init__(shapes)
+        self.wire, self.lr, self.mu = run.outer.diloco_wire, run.outer.diloco_lr, run.outer.diloco_momentum
+        self.momentum = [torch.zeros(s) for s in self.shapes]
+
+    @property
+    def max_message_bytes(self) -> int:
+        return dense_codec.message_size_bytes(self.shapes, self.wire)
+
+    def encode(self, deltas: Sequence[Tensor]) -> Encoded:
+        return Encoded(dense_codec.encode(deltas, self.wire), None)
+
+    def restore(self, snapshot: Any) -> None:
+        """Encoding changed nothing."""
+
+    def decode(self, payload: bytes) -> Any:
+        return dense_codec.decode(payload, self.shapes, self.wire)
+
+    def _combine_sorted(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
+        """Σ w_r·Δ_r / Σ w_r, summed in canonical order."""
+        used = [i for i, w in enumerate(weights) if math.isfinite(w) and w > 0]
+        dropped = [(i, f"weight {weights[i]!r} is not a positive number") for i in range(len(weights)) if i not in used]
+        if not used:
+            return Combined([torch.zeros(s) for s in self.shapes], [], dropped)
+        heaviest = max(weights[i] for i in used)
+        total = math.fsum(weights[i] / heaviest for i in used)
+        sums = [torch.zeros(s) for s in self.shapes]
+        for i in used:
+            scale = torch.tensor(weights[i] / heaviest / total, dtype=torch.float32)
+            for acc, t in zip(sums, messages[i], strict=True):
+                acc.add_(t * scale)
+        return Combined(sums, used, dropped)
+
+    def update(self, start: Sequence[Tensor], combined: Combined) -> list[Tensor]:
+        """m ← μ·m + Δ̄; θ(t+1) = θ(t) − lr·(Δ̄ + μ·m)."""
+        new = []
+        for s, d, m in zip(start, combined.tensors, self.momentum, strict=True):
+            m.mul_(self.mu).add_(d)
+            new.append(s - self.lr * (d + self.mu * m))
+        return new
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": [m.clone() for m in self.momentum]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_shared_state(state["momentum"])
+
+    def shared_state(self) -> list[Tensor] | None:
+        return self.momentum
+
+    def load_shared_state(self, tensors: Sequence[Tensor]) -> None:
+        if [tuple(t.shape) for t in tensors] != self.shapes or not all(bool(t.isfinite().all()) for t in tensors):
+            raise PayloadError("outer momentum of the wrong shapes, or not finite")
+        for m, saved in zip(self.momentum, tensors, strict=True):
+            m.copy_(saved)
+
+    def private_tensors(self) -> list[Tensor]:
+        return self.momentum
+
+
+def outer_method(run: RunConfig, shapes: Shapes) -> OuterMethod:
+    """The run's outer method for one shard of `shapes`."""
+    return (SparseLoCoMethod if run.outer.outer == "sparseloco" else DiLoCoMethod)(shapes, run)

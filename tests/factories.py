@@ -1,0 +1,54 @@
+"""Test data factories: a run config and peer records with valid defaults, changed only where a test says so."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig
+
+
+def run_config(
+    stages: int = 2,
+    batch_size: int = 8,
+    seq_len: int = 64,
+    inner_steps: int = 30,
+    pipeline: PipelineConfig | None = None,
+    **changes: Any,
+) -> RunConfig:
+    """A `tiny` run on byte-level tokens; `changes` replace any other field (`outer=...` wins over stages/H)."""
+    base = RunConfig(
+        preset="tiny",
+        vocab_size=256,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=0,
+        data_shards=16,
+        data_identity="d" * 64,
+        tokenizer_identity="t" * 64,
+        outer=OuterConfig(stages=stages, inner_steps=inner_steps),
+        pipeline=pipeline or PipelineConfig(),
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def peer_id(name: str) -> str:
+    """A valid base58 peer id that sorts like `name` (0 is not base58: it becomes z; padded with x)."""
+    return name.replace("0", "z").ljust(32, "x")
+
+
+def record_fields(pid: str, **changes: Any) -> dict[str, Any]:
+    """A schema-valid peer record as the DHT holds it, with `changes`."""
+    record = {
+        "peer_id": pid, "addrs": [], "version": "0.1.0", "gpus": [], "cpu_cores": 2, "ram_gb": 8.0,
+        "memory_gb": 4.0, "upload_mbps": 50.0, "download_mbps": 50.0, "bandwidth_source": "override",
+        "tokens_per_s": 100.0, "role": "joining", "requested_role": "auto", "pinned_stage": -1, "stage": -1, "vr": -1,
+        "round": 0, "train_round": -1, "deadline": 0.0, "step_s": 0.0, "loss": None, "fingerprints": {}, "view": "",
+        "refresh_s": 2.0,
+    }  # fmt: skip
+    return {**record, **changes}
+
+
+def peer_record(name: str, **changes: Any) -> PeerRecord:
+    return PeerRecord(**record_fields(peer_id(name), **changes))

@@ -1,0 +1,96 @@
+"""Who takes part in a round, as every peer reads it from the records: pure functions, no network."""
+
+from __future__ import annotations
+
+from factories import peer_id, peer_record
+
+from hetero_node.client.swarm.view import (
+    expected_group_size,
+    replica_count,
+    shard_donors,
+    shard_members,
+    slot_holders,
+    swarm_round,
+    virtual_replicas,
+    vr_stages,
+)
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
+
+
+def full(name: str, round_: int, train_round: int = -1) -> tuple[str, object]:
+    return peer_id(name), peer_record(name, role=ROLE_FULL, round=round_, train_round=train_round)
+
+
+def stage(name: str, vr: int, index: int, round_: int = 3, train_round: int = 3) -> tuple[str, object]:
+    return peer_id(name), peer_record(name, role=ROLE_STAGE, vr=vr, stage=index, round=round_, train_round=train_round)
+
+
+def names(ids: object) -> object:
+    back = {peer_id(n): n for n in ("f1", "f2", "f3", "g2", "j1", "c0", "b0", "a9", "d0", "e0", "e1", "x0", "x1")}
+    if isinstance(ids, dict):
+        return {back.get(k, k): names(v) for k, v in ids.items()}
+    if isinstance(ids, list | set):
+        return type(ids)(back[i] for i in ids)
+    return back.get(ids, ids)  # type: ignore[arg-type]
+
+
+RECORDS = dict(
+    [
+        full("f1", 3, train_round=3),
+        full("f2", 2, train_round=2),  # lagging a round
+        (peer_id("j1"), peer_record("j1", role=ROLE_JOINING, round=3)),
+        # vr 0 complete; "b0" and "a9" both claim (0, 1): the lower id wins
+        stage("c0", 0, 0),
+        stage("b0", 0, 1),
+        stage("a9", 0, 1, round_=2, train_round=2),
+        # vr 1 incomplete: stage 1 missing
+        stage("d0", 1, 0),
+        # vr 4 complete, its stage 1 in another round
+        stage("e0", 4, 0),
+        stage("e1", 4, 1, round_=4, train_round=4),
+        # ignored for slots: stage out of range, no vr
+        stage("x0", 5, 2),
+        (peer_id("x1"), peer_record("x1", role=ROLE_STAGE, stage=0, round=3)),
+    ]
+)
+
+
+def test_slots_virtual_replicas_and_group_membership() -> None:
+    records = RECORDS
+    assert names(slot_holders(records, 2)) == {(0, 0): "c0", (0, 1): "a9", (1, 0): "d0", (4, 0): "e0", (4, 1): "e1"}
+    assert names(vr_stages(records, 0, 2)) == {0: "c0", 1: "a9"} and names(vr_stages(records, 1, 2)) == {0: "d0"}
+    assert names(virtual_replicas(records, 2)) == {0: {0: "c0", 1: "a9"}, 4: {0: "e0", 1: "e1"}}
+    assert names(virtual_replicas(records, 2, complete=False))[1] == {0: "d0"}
+    assert virtual_replicas(records, 3) == {}  # no vr has a stage 2
+    assert replica_count(records, 2) == 4  # f1, f2, vr 0, vr 4
+    assert replica_count(records, 3) == 2
+    assert names(shard_members(records, 0, 2)) == ["c0", "e0", "f1", "f2"]
+    assert names(shard_members(records, 1, 2)) == ["a9", "e1", "f1", "f2"]
+
+
+def test_expected_group_counts_the_members_training_the_round() -> None:
+    records = RECORDS
+    assert expected_group_size(records, 3, 0, 2) == 3  # f1, c0, e0 (f2 trains round 2; d0 is incomplete)
+    assert expected_group_size(records, 3, 1, 2) == 2  # f1 (a9 in round 2, e1 in round 4): at least 2
+    assert expected_group_size(records, 2, 1, 2) == 2  # f2, a9 (b0 lost its slot)
+    assert expected_group_size(records, 4, 1, 2) == 2  # e1 alone, but never below 2
+    assert expected_group_size(records, 9, 0, 2) == 2
+    bigger = {**records, **dict([full("f3", 2, 2), full("g2", 2, 2)])}
+    assert expected_group_size(bigger, 2, 1, 2) == 4  # f2, f3, g2, a9
+    overlapped = {**records, **dict([full("f3", 2, train_round=3)])}  # holds θ(2), its round-2 exchange in flight
+    assert expected_group_size(overlapped, 3, 0, 2) == 4
+
+
+def test_donors_and_the_swarm_round() -> None:
+    records = RECORDS
+    assert names(set(shard_donors(records, 0))) == {"f1", "f2", "c0", "d0", "e0", "x1"}  # any stage-0 peer
+    assert names(set(shard_donors(records, 1))) == {"f1", "f2", "b0", "a9", "e1"}
+    assert shard_donors(records, 1)[peer_id("a9")] is records[peer_id("a9")]
+    assert names(set(shard_donors(records, 2))) == {"f1", "f2", "x0"}
+    assert virtual_replicas({}, 2) == {} and replica_count({}, 2) == 0 and expected_group_size({}, 0, 0, 2) == 2
+    ahead = dict([full("f1", 5), full("f2", 5), full("f3", 4)])
+    assert swarm_round(ahead, peer_id("f3")) == 5  # both others hold round 5
+    liar = dict([full("f1", 5), full("f2", 5), full("f3", 10**9)])
+    assert swarm_round(liar, peer_id("f1")) == 10**9  # one honest and one liar: the upper median believes it
+    assert swarm_round({**liar, **dict([full("g2", 5)])}, peer_id("f1")) == 5  # outvoted by the honest
+    assert swarm_round({}, peer_id("f1")) == 0
