@@ -10,8 +10,13 @@ from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 
 
-def options(**values: str) -> list[str]:
-    return [arg for key, value in values.items() for arg in (f"--{key.replace('_', '-')}", value)]
+def options(**values: str | bool) -> list[str]:
+    """`--key value` per item; True gives the bare flag `--key`."""
+    args: list[str] = []
+    for key, value in values.items():
+        flag = f"--{key.replace('_', '-')}"
+        args += [flag] if value is True else [flag, str(value)]
+    return args
 
 
 def run_args(rounds: int, inner_steps: int = 8, **extra: str) -> list[str]:

@@ -70,15 +70,16 @@ def test_slots_virtual_replicas_and_group_membership() -> None:
 
 def test_expected_group_counts_the_members_training_the_round() -> None:
     records = RECORDS
-    assert expected_group_size(records, 3, 0, 2) == 3  # f1, c0, e0 (f2 trains round 2; d0 is incomplete)
-    assert expected_group_size(records, 3, 1, 2) == 2  # f1 (a9 in round 2, e1 in round 4): at least 2
+    assert expected_group_size(records, 3, 0, 2) == 4  # f1, c0, e0, and f2 still finishing round 2 (not d0)
+    assert expected_group_size(records, 3, 1, 2) == 3  # f1, and f2 and a9 finishing round 2 (e1 is in 4)
     assert expected_group_size(records, 2, 1, 2) == 2  # f2, a9 (b0 lost its slot)
     assert expected_group_size(records, 4, 1, 2) == 2  # e1 alone, but never below 2
     assert expected_group_size(records, 9, 0, 2) == 2
+    assert expected_group_size(records, 5, 1, 2) == 2  # e1 finishing round 4 (a9 two rounds behind), at least 2
     bigger = {**records, **dict([full("f3", 2, 2), full("g2", 2, 2)])}
     assert expected_group_size(bigger, 2, 1, 2) == 4  # f2, f3, g2, a9
-    overlapped = {**records, **dict([full("f3", 2, train_round=3)])}  # holds θ(2), its round-2 exchange in flight
-    assert expected_group_size(overlapped, 3, 0, 2) == 4
+    overlapped = {**records, **dict([full("f3", 2, train_round=3)])}  # its round-2 exchange is in flight
+    assert expected_group_size(overlapped, 3, 0, 2) == 5  # f3 holds θ(2) and already trains round 3
 
 
 def test_donors_and_the_swarm_round() -> None:

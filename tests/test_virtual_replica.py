@@ -112,7 +112,11 @@ def test_killed_stage_is_replaced_and_the_virtual_replica_contributes_again(tmp_
         deadline = time.monotonic() + 240
         while len(repaired_rounds(tmp_path)) < 2 and time.monotonic() < deadline:
             time.sleep(1)
-        # the run is 200 rounds long: stop it here (LocalSwarm kills each process group, p2pd included)
+        # the run is 200 rounds long: stop it here, SIGTERM to each peer's whole process group (p2pd included)
+        for name in ("r0", "s0", "s1b"):
+            stopped = time.monotonic()
+            code = swarm.stop(name, timeout=30)
+            assert code == 0 and time.monotonic() - stopped < 30, f"{name} exited with {code} on SIGTERM"
     together = repaired_rounds(tmp_path)
     assert len(together) >= 2, f"the repaired virtual replica did not contribute again:\n{round_table(tmp_path)}"
     # the kill lands mid-round (stage 0 gives the round up) or between rounds (stage 0 waits for the slot)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hetero_node.bootstrap.join_line import JOIN_LINE
@@ -42,8 +43,15 @@ class LocalSwarm:
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
-    def start(self, name: str, args: list[str], program: list[str] | None = None) -> subprocess.Popen:
-        """Run `hetero-node ARGS` (or `PROGRAM ARGS`) as peer `name`, output to `<workdir>/<name>.log`."""
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        program: list[str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ) -> subprocess.Popen:
+        """Run `hetero-node ARGS` (or `PROGRAM ARGS`) as peer `name`, output to `<workdir>/<name>.log`;
+        `preexec_fn` runs in the child first (e.g. to enter a CPU cgroup)."""
         log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it; closed when the child is reaped
         process = subprocess.Popen(
             [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args],
@@ -51,6 +59,7 @@ class LocalSwarm:
             stderr=subprocess.STDOUT,
             env=self.env,
             start_new_session=True,
+            preexec_fn=preexec_fn,
         )
         log.close()
         self.processes[name] = process

@@ -51,7 +51,9 @@ class ShardAverager(DecentralizedAverager):
             matchmaking: Any = self._matchmaking
             matchmaking.group_key_manager.group_bits = group_bits
             matchmaking.target_group_size = target
-            matchmaking.group_key_manager.target_group_size = target
+            # the key manager re-keys after a group forms, sized by its own target: a group bigger than we expected
+            # (another member counted one more) made it raise; our key is set anew each round anyway
+            matchmaking.group_key_manager.target_group_size = None
             matchmaking.potential_leaders.target_group_size = target
             future.set_result(None)
         except Exception as e:

@@ -63,11 +63,14 @@ def catch_up_shard(
                     raise PayloadError(f"message {message_digest} arrived with another digest")
                 received += len(blob)
                 messages.append(method.decode(blob))
-            names = [m[0] for m in manifest["members"]]
-            combined = method.combine(messages, [float(m[2]) for m in manifest["members"]], names)
-            if len(combined.used) != len(messages):
-                raise PayloadError("the manifest lists a message the rule drops")
-            new = method.update(start, combined)
+            if not messages:  # a void round: θ(t+1) = θ(t)
+                new = [s.clone() for s in start]
+            else:
+                names = [m[0] for m in manifest["members"]]
+                combined = method.combine(messages, [float(m[2]) for m in manifest["members"]], names)
+                if len(combined.used) != len(messages):
+                    raise PayloadError("the manifest lists a message the rule drops")
+                new = method.update(start, combined)
             if fingerprint(new) != manifest["result_fp"]:
                 raise PayloadError("the rebuilt state does not match the manifest's result fingerprint")
         except Exception as e:  # a bad donor is skipped, never trusted

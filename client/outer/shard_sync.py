@@ -33,7 +33,9 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -159,7 +161,8 @@ def majority_fingerprint(fingerprints: list[str]) -> str:
 
 
 def encode_manifest(round_: int, start_fp: str, result_fp: str, members: Sequence[tuple[str, str, int]]) -> bytes:
-    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result."""
+    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result. No
+    members: the round was void (nobody completed it), θ(t+1) = θ(t)."""
     body = {"round": round_, "start_fp": start_fp, "result_fp": result_fp, "members": [list(m) for m in members]}
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -174,7 +177,7 @@ def parse_manifest(data: bytes, round_: int) -> dict[str, Any]:
             and body["round"] == round_
             and all(isinstance(body[k], str) and HEX.match(body[k]) for k in ("start_fp", "result_fp"))
             and isinstance(members, list)
-            and 0 < len(members) <= 4096
+            and len(members) <= 4096
             and all(
                 isinstance(m, list)
                 and len(m) == 3
@@ -198,10 +201,22 @@ class ShardSync:
     """A replica's membership in one shard's averaging group (transport only: the arithmetic is `self.method`)."""
 
     def __init__(
-        self, runtime: PeerRuntime, run: RunConfig, shard: int, shapes: list[tuple[int, ...]], timeouts: SyncTimeouts
+        self,
+        runtime: PeerRuntime,
+        run: RunConfig,
+        shard: int,
+        shapes: list[tuple[int, ...]],
+        timeouts: SyncTimeouts,
+        stop: threading.Event,
     ) -> None:
         self.runtime, self.run, self.shard, self.shapes, self.timeouts = runtime, run, shard, shapes, timeouts
+        self.stop = stop
+        """The node is leaving: every wait ends at once (its averager and p2pd may already be gone)."""
         self.method: OuterMethod = outer_method(run, shapes)
+        self.state_bytes = sum(4 * math.prod(s) for s in shapes)
+        self.small_messages = 4 * self.method.max_message_bytes <= self.state_bytes
+        """Messages are far smaller than the shard's state (SparseLoCo), so the round's messages are re-served and
+        a late member rebuilds θ(t+1) from them; dense ones (DiLoCo) are not: a late member loads the state."""
         self.averager = ShardAverager(
             [torch.zeros(1)],  # hivemind's averager must hold a tensor; ShardAverager never all-reduces it
             runtime.dht,
@@ -239,6 +254,9 @@ class ShardSync:
         from hivemind.utils import get_dht_time
 
         wait_s = max(0.0, scheduled_time - get_dht_time())
+        logger.info(
+            "shard %d round %d: looking for a group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s
+        )
         self.averager.prepare_round(pending.round, max(2, expected))
         pending.control = self.averager.step(
             gather=pending.meta.to_wire(),
@@ -266,10 +284,12 @@ class ShardSync:
         control = pending.control
         deadline = time.monotonic() + self.timeouts.round_timeout_s + self.timeouts.matchmaking_s
         while not control.done() and time.monotonic() < deadline:
-            if control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on():
+            if self.stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on()):
                 control.cancel()
                 break
-            time.sleep(0.25)
+            self.stop.wait(0.25)
+        if self.stop.is_set():
+            return ShardOutcome(new_tensors=None)
         try:
             gathered = control.result(0.1)
         except Exception as e:  # hivemind raises several types for "no group" / "peer vanished"
@@ -313,7 +333,7 @@ class ShardSync:
         self._serve_manifest(pending, used, new)
         if pending.payload is not None:  # stay until the others have our message: quitting early truncates theirs
             self.runtime.wait_until_fetched(
-                PAYLOAD, self.shard, pending.round, len(included) - 1, self.timeouts.fetch_timeout_s
+                PAYLOAD, self.shard, pending.round, len(included) - 1, self.timeouts.fetch_timeout_s, self.stop
             )
         sent = self.runtime.bytes_served.get((PAYLOAD, self.shard, pending.round), 0)
         contributed = any(r.name == self.me for r in used)
@@ -355,7 +375,8 @@ class ShardSync:
             except PayloadError as e:
                 dropped.append(f"{name}: {e}")
                 continue
-            self.runtime.publish(message_kind(meta.digest), self.shard, pending.round, data)
+            if self.small_messages:
+                self.runtime.publish(message_kind(meta.digest), self.shard, pending.round, data)
         for reason in dropped:
             logger.warning("shard %d round %d: dropped contribution %s", self.shard, pending.round, reason)
         return messages, dropped, received
@@ -371,9 +392,15 @@ class ShardSync:
         mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)
         combined = self.method.combine([mine.message], [float(mine.tokens)], [mine.name])
         new = self.method.update(pending.start, combined)
-        self.runtime.publish(message_kind(mine.digest), self.shard, pending.round, pending.payload)
+        if self.small_messages:
+            self.runtime.publish(message_kind(mine.digest), self.shard, pending.round, pending.payload)
         self._serve_manifest(pending, [mine], new)
         return ShardOutcome(new, 1, 1, contributed=True)
+
+    def serve_void(self, round_: int, start: list[Tensor], start_fp: str) -> None:
+        """Nobody completed `round_`: say so in its manifest, so a member that catches up later keeps θ(t) too."""
+        manifest = encode_manifest(round_, start_fp, fingerprint(start), [])
+        self.runtime.publish(MANIFEST, self.shard, round_, manifest)
 
     def _serve_manifest(self, pending: PendingRound, used: list[Received], new: list[Tensor]) -> None:
         manifest = encode_manifest(

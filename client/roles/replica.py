@@ -263,6 +263,8 @@ class Replica(ABC):
                     break
                 plan = self.plan(t)
                 trained = self.train(plan)
+                if self.stop.is_set():
+                    break
                 self.settle(wait=True)  # Δ is measured from θ(t): round t−1's result must be in
                 if self.round != t:  # the swarm moved past the round we trained: that work is stale
                     continue
@@ -281,7 +283,9 @@ class Replica(ABC):
     def setup(self) -> None:
         """Averaging groups, state blobs and the metrics file (averagers must start in the main thread)."""
         shapes = {s: [tuple(p.shape) for p in tensors] for s, tensors in self.params.items()}
-        self.syncs = {s: ShardSync(self.runtime, self.run_cfg, s, shape, self.timeouts) for s, shape in shapes.items()}
+        self.syncs = {
+            s: ShardSync(self.runtime, self.run_cfg, s, shape, self.timeouts, self.stop) for s, shape in shapes.items()
+        }
         leave_on_signals(self.stop)
         fixed = self.fixed_table
         self.states = ShardStates(
@@ -362,8 +366,9 @@ class Replica(ABC):
     def catch_up(self) -> None:
         """If the swarm is ahead (we joined late, restarted, or missed rounds), reach its round: from the rounds'
         messages while they are still served, else from a peer's state."""
-        ahead = view.swarm_round(self.donors(self.records()), self.me)
-        while self.round < ahead <= self.round + KEPT_ROUNDS and not self.stop.is_set():
+        records = self.records()
+        ahead = view.swarm_round(self.donors(records), self.me)
+        while self.messages_cheaper(ahead - self.round, records) and not self.stop.is_set():
             got = self.rebuild_round(self.round, list(self.start))
             if got is None:
                 break
@@ -373,6 +378,15 @@ class Replica(ABC):
             size = self.load_state(min_round=ahead, wait_s=0.0)
             if size is not None:
                 self.record_round(self.round - 1, None, None, Settled(caught_up="state", catch_up_bytes=size))
+
+    def messages_cheaper(self, behind: int, records: dict[str, PeerRecord]) -> bool:
+        """Whether rebuilding `behind` rounds from their messages beats loading the state: the messages are still
+        served (KEPT_ROUNDS) and all of them together weigh less than half the state."""
+        if not 0 < behind <= KEPT_ROUNDS or not all(sync.small_messages for sync in self.syncs.values()):
+            return False
+        replicas = max(1, view.replica_count(records, self.run_cfg.outer.stages))
+        messages = sum(sync.method.max_message_bytes for sync in self.syncs.values()) * replicas * behind
+        return 2 * messages < sum(sync.state_bytes for sync in self.syncs.values())
 
     def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, list[Tensor]], int] | None:
         """θ(t+1) of `shards` from round t's messages, served by peers that completed it; None if any failed."""
@@ -477,8 +491,10 @@ class Replica(ABC):
         flight.wait_s += time.perf_counter() - waited
         settled = Settled(outcomes)
         for shard, outcome in outcomes.items():
-            if not outcome.contributed:
+            if not outcome.contributed or self.stop.is_set():
                 self.syncs[shard].drop(flight.pendings[shard])  # our Δ is not in the aggregate: keep it in EF
+        if self.stop.is_set():  # leaving: the checkpoint keeps θ(t) and the error feedback as they were
+            return
         new = {s: o.new_tensors for s, o in outcomes.items() if o.new_tensors is not None}
         missing = [s for s in self.syncs if s not in new]
         if missing:
@@ -505,17 +521,24 @@ class Replica(ABC):
             records = self.records()
             donors = self.donors(records)
             if any(pid != self.me and r.round > t for pid, r in donors.items()):
-                rebuilt = self.rebuild_round(t, shards)
+                rebuilt = self.rebuild_round(t, shards) if self.messages_cheaper(1, records) else None
                 if rebuilt is not None:
                     return "messages", rebuilt[1], rebuilt[0]
                 size = self.load_state(min_round=t + 1, wait_s=0.0)
                 return ("state", size, {}) if size is not None else ("failed", 0, {})
-            # someone holding θ(t) who is not only receiving may still complete the round
-            still = [pid for pid, r in donors.items() if pid != self.me and r.round == t and r.train_round != -1]
+            # someone may still complete round t: it is in it, or holds θ(t) and is about to plan it
+            still = [
+                pid
+                for pid, r in donors.items()
+                if pid != self.me and (view.in_round(r, t) or (r.round == t and r.train_round >= 0))
+            ]
             if not still or get_dht_time() > end:
                 break
             time.sleep(0.5)
         logger.warning("round %d: nobody completed it; going on from round %d's weights", t, t)
+        fps = self.fingerprints()
+        for shard in shards:
+            self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)])
         return "void", 0, {s: self.start[s] for s in shards}
 
     def apply(

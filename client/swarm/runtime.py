@@ -34,9 +34,11 @@ LATEST_KINDS = ("state", "fixed")
 """Blob kinds a peer serves its newest copy of, whatever round others are in (state for late joiners)."""
 BLOB_PIECE_BYTES = 1 << 20
 """Stream pieces stay far below libp2p's 4 MiB message cap (hivemind-notes: large unary messages fail)."""
-KEPT_ROUNDS = 2
+KEPT_ROUNDS = 4
 """Blobs of the last rounds stay served, so a slow peer can still fetch them (or catch up from them) after we
 moved on; older ones, and their byte counters, are forgotten."""
+KEPT_STATES = 2
+"""Whole states (the biggest blobs) are kept for fewer rounds: a peer that needs one takes the newest."""
 
 
 def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
@@ -159,7 +161,11 @@ class PeerRuntime:
             oldest = round_ - KEPT_ROUNDS + 1
             for key in list(self._blobs):
                 rounds = self._blobs[key]
-                for old in [r for r in rounds if r < oldest and (key[0] == kind or key[0] not in LATEST_KINDS)]:
+                if key[0] in LATEST_KINDS:  # pruned only against their own kind's rounds
+                    stale = [r for r in rounds if key[0] == kind and r <= round_ - KEPT_STATES]
+                else:
+                    stale = [r for r in rounds if r < oldest]
+                for old in stale:
                     del rounds[old]
                 if not rounds:
                     del self._blobs[key]
@@ -224,7 +230,9 @@ class PeerRuntime:
             raise ValueError(f"peer {peer_id} sent a truncated {kind} ({received} of {announced} bytes)")
         return served_round, b"".join(pieces)
 
-    def wait_until_fetched(self, kind: str, shard: int, round_: int, count: int, timeout: float) -> int:
+    def wait_until_fetched(
+        self, kind: str, shard: int, round_: int, count: int, timeout: float, stop: threading.Event | None = None
+    ) -> int:
         """Block until `count` peers fetched our blob (or timeout); returns how many did.
 
         A peer that quits right after its own step truncates what slower peers receive (hivemind-notes, D):
@@ -233,6 +241,8 @@ class PeerRuntime:
         deadline = time.monotonic() + timeout
         key = (kind, shard, round_)
         while self.requests_served[key] < count and time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                break
             time.sleep(0.05)
         return self.requests_served[key]
 
@@ -280,6 +290,8 @@ class PeerRuntime:
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""
+        if not self.dht.is_alive():  # a signal to the whole process group took the DHT down: do not wait
+            return None
         with self._dht_lock:
             future = self.dht.get(key, latest=True, return_future=True)
         try:

@@ -47,11 +47,23 @@ def shard_members(records: Records, shard: int, n_stages: int) -> list[str]:
     return sorted([*full_replicas(records), *stage_peers])
 
 
+def in_round(record: PeerRecord, round_: int) -> bool:
+    """The peer trains `round_`, or contributes to it: it holds θ of `round_` or earlier and trains `round_` or
+    later (under overlap it already trains the next round while `round_`'s exchange runs). A peer that only
+    receives (train_round −1) is not in it."""
+    return record.round <= round_ <= record.train_round
+
+
+def coming(record: PeerRecord, round_: int) -> bool:
+    """The group of `round_` should wait for this peer: it is in the round, or still finishing the one before
+    (a slow replica catching up, which then trains what fits before the deadline and joins)."""
+    return in_round(record, round_) or record.round == record.train_round == round_ - 1
+
+
 def expected_group_size(records: Records, round_: int, shard: int, n_stages: int) -> int:
-    """Members of the shard's group that train (or contribute to) `round_`: everyone the group waits for (at least
-    2: a group of one is a solo step)."""
+    """Members of the shard's group the group of `round_` waits for (at least 2: a group of one is a solo step)."""
     members = shard_members(records, shard, n_stages)
-    return max(2, sum(1 for pid in members if records[pid].train_round == round_))
+    return max(2, sum(1 for pid in members if coming(records[pid], round_)))
 
 
 def replica_count(records: Records, n_stages: int) -> int:
