@@ -254,9 +254,7 @@ class ShardSync:
         from hivemind.utils import get_dht_time
 
         wait_s = max(0.0, scheduled_time - get_dht_time())
-        logger.info(
-            "shard %d round %d: looking for a group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s
-        )
+        logger.info("shard %d round %d: group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s)
         self.averager.prepare_round(pending.round, max(2, expected))
         pending.control = self.averager.step(
             gather=pending.meta.to_wire(),
