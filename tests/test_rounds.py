@@ -102,7 +102,8 @@ def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replic
         if len({c["tokens"] for c in record["contributions"]}) > 1:
             weighted_rounds += 1
             differs = [
-                not torch.allclose(g.double(), u, rtol=1e-5, atol=1e-7) for g, u in zip(record["new"], unweighted)
+                not torch.allclose(g.double(), u, rtol=1e-5, atol=1e-7)
+                for g, u in zip(record["new"], unweighted, strict=True)
             ]
             assert any(differs), f"{path.name}: the weights made no difference"
     assert weighted_rounds >= 2, "no recorded round aggregated contributions of different weights"
