@@ -38,7 +38,7 @@ def run_options(cfg: BenchConfig) -> list[str]:
 
 
 def bootstrap_argv(cfg: BenchConfig, method: str, address: str, identity: str) -> list[str]:
-    extra = list(SWARM_METHODS[method][1])
+    extra = [*SWARM_METHODS[method][1], "--round-s", str(cfg.round_s), *(["--overlap"] if cfg.overlap else [])]
     if method in ("hetero", "compress-all"):
         extra += ["--subspace-rank", str(cfg.subspace_rank)]
     return [*CLI, "bootstrap", "--host", address, "--port", str(BOOTSTRAP_PORT), "--identity", identity,

@@ -24,7 +24,7 @@ class BenchConfig:
 
     topology: Path = field(
         default=Path("hetero"),
-        metadata={"help": "Topology TOML file, or a bundled one by name: hetero, edge-only or uniform."},
+        metadata={"help": "Topology TOML file, or a bundled one by name: hetero, mixed-speed, edge-only, uniform."},
     )
     methods: str = field(
         default=",".join(METHODS), metadata={"help": f"Comma-separated methods to run: {', '.join(METHODS)}."}
@@ -39,6 +39,13 @@ class BenchConfig:
         default=0, metadata={"help": "hetero and compress-all: activation subspace rank k (0: d_model/8)."}
     )
     lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate (warm-up: min(50, H) steps)."})
+    round_s: float = field(
+        default=0.0,
+        metadata={"help": "Swarm methods: round length in seconds (0: H steps at the fastest node's speed)."},
+    )
+    overlap: bool = field(
+        default=False, metadata={"help": "Swarm methods: full replicas overlap each round's exchange with training."}
+    )
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
     threads_per_node: int = field(
         default=1, metadata={"help": "Torch threads per node process (nodes share this machine's cores)."}
@@ -63,6 +70,8 @@ class BenchConfig:
             self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr", "eval_batches",
             "threads_per_node", "timeout_s", "stall_timeout_s",
         )  # fmt: skip
+        if not self.round_s >= 0:
+            raise ConfigError(f"--round-s must be ≥ 0, got {self.round_s}")
         unknown = [m for m in self.method_list if m not in METHODS]
         if unknown or not self.method_list:
             raise ConfigError(f"--methods {self.methods!r}: choose from {', '.join(METHODS)}")

@@ -10,6 +10,7 @@ namespaces go with the `NetLab` context.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from rich.progress import Progress, TaskID
 
 from hetero_node.bench.commands import bootstrap_argv, ddp_argv, join_argv, node_role
 from hetero_node.bench.config import BenchConfig
+from hetero_node.bench.cpu_quota import CpuQuota
 from hetero_node.bench.netns import NODE_IF, LabNode, NetLab
 from hetero_node.bench.topology import NodeSpec, Topology
 from hetero_node.bootstrap.join_line import JOIN_LINE
@@ -105,7 +107,12 @@ def run_method(
     task = progress.add_task(f"{topology.name} · {method}", total=cfg.rounds) if progress else None
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_node), "PYTHONUNBUFFERED": "1",
            "GLOO_SOCKET_IFNAME": NODE_IF}  # fmt: skip
-    with NetLab() as lab:
+    with NetLab() as lab, contextlib.ExitStack() as quotas:
+        slow = {
+            spec.name: quotas.enter_context(CpuQuota(spec.name, spec.cpu_quota))
+            for spec in topology.nodes
+            if spec.cpu_quota is not None
+        }
         bootstrap = None
         if method != "ddp":
             bootstrap = lab.add_node("bootstrap", topology.bootstrap_up_mbit, topology.bootstrap_down_mbit)
@@ -119,11 +126,18 @@ def run_method(
             return {n.name: _delta(lab.counters(n), baseline[n.name]) for n in everyone}
 
         def start(name: str, lab_node: LabNode, argv: list[str], spec: NodeSpec | None = None) -> _Process:
-            """`argv` in the node's namespace, output to `<name>.log`, pinned to the node's cores if it has any."""
+            """`argv` in the node's namespace, output to `<name>.log`, pinned to the node's cores and inside its
+            CPU cgroup if it has them."""
             log = workdir / f"{name}.log"
+
+            def prepare() -> None:  # runs in the child before it executes: its own children inherit both
+                if spec and spec.cpus:
+                    os.sched_setaffinity(0, spec.cpus)
+                if spec and spec.name in slow:
+                    slow[spec.name].enter()
+
             with open(log, "w") as out:  # the child keeps its own descriptor
-                pin = (lambda: os.sched_setaffinity(0, spec.cpus)) if spec and spec.cpus else None
-                process = lab.popen(lab_node, argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+                process = lab.popen(lab_node, argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=prepare)
             return _Process(name, lab_node, process, log, spec)
 
         boot, peers, status = None, None, "ok"
@@ -235,6 +249,7 @@ def _run_record(
                 "requested_role": "ddp" if method == "ddp" else node_role(method, p.spec),
                 "up_mbit": p.spec.up_mbit,
                 "down_mbit": p.spec.down_mbit,
+                "cpu_quota": p.spec.cpu_quota,
                 "address": p.lab_node.address,
                 "exit_code": exit_codes[p.name],
                 "wire_bytes_sent": wire[p.name][0],

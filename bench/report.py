@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 LOSS_VS_WALL = "loss_vs_wall.png"
 LOSS_VS_BYTES = "loss_vs_bytes.png"
-SCENARIO_KEYS = ("preset", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "subspace_rank", "lr")
+SCENARIO_KEYS = (
+    "preset", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "subspace_rank", "lr", "round_s", "overlap",
+)  # fmt: skip
 
 
 def eval_curve(run: dict[str, Any]) -> list[dict[str, float]]:
@@ -73,6 +75,8 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
             "outer_bytes_per_round": sum(r["bytes_sent"] for r in rounds) / len(rounds) if rounds else None,
             "outer_message_bytes": _message_bytes(rounds),
             "rounds_not_aggregated": sum(1 for r in rounds if r.get("resynced")),
+            "rounds_contributed": sum(1 for r in rounds if r.get("contributed")) if run["method"] != "ddp" else None,
+            "inner_steps": sum(r["inner_steps"] for r in rounds),
             "reported_bytes_received": sum(r["bytes_received"] + r.get("boundary_bytes_received", 0) for r in rounds),
             "tokens": tokens,
             "compute_s": compute,
@@ -105,6 +109,14 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "outer_message_bytes": _mean([n["outer_message_bytes"] for n in nodes.values()]),
         "wire_bytes_per_round": wire_sent / rounds if rounds else None,
         "rounds_not_aggregated": sum(n["rounds_not_aggregated"] for n in nodes.values()),
+        "lowest_contribution_share": min(
+            (
+                n["rounds_contributed"] / n["rounds"]
+                for n in nodes.values()
+                if n["rounds"] and n["rounds_contributed"] is not None
+            ),
+            default=None,
+        ),
         "bootstrap": bootstrap,
         "nodes": nodes,
         "curve": curve,
@@ -209,6 +221,12 @@ def _plot(methods: dict[str, dict[str, Any]], out: Path) -> None:
         plt.close(fig)
 
 
+def _contributed(node: dict[str, Any]) -> str:
+    if node["rounds_contributed"] is None:
+        return ""
+    return f"{node['rounds_contributed']} / {node['rounds']}"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
@@ -231,15 +249,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{scenario['lr']}. One `swarm` row per method, then one row per node.",
         "",
         "| method | node | role / status | final eval loss | wall s | wire sent MB | wire received MB | "
-        "counted sent MB | message KB | rounds not aggregated | bytes/token | compute util. | tokens/s | "
-        "edge token share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "counted sent MB | message KB | rounds not aggregated | contributed / rounds | inner steps | bytes/token | "
+        "compute util. | tokens/s | edge token share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, m in report["methods"].items():
         lines.append(
             f"| {method} | swarm | {m['status']} | {_fmt(m['final_eval_loss'], '.4f')} | {m['wall_s']:.1f} | "
             f"{_mb(m['wire_bytes_sent'])} | {_mb(m['wire_bytes_received'])} | {_mb(m['reported_bytes_sent'])} | "
             f"{_kb(m['outer_message_bytes'])} | {m['rounds_not_aggregated']} | "
+            f"{_fmt(m['lowest_contribution_share'], '.0%')} (lowest) |  | "
             f"{_fmt(m['bytes_per_token'], ',.0f')} |  | {_fmt(m['tokens_per_s'], ',.0f')} | "
             f"{_fmt(m['edge_token_share'], '.0%')} |"
         )
@@ -249,6 +268,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {method} | {name}{edge} | {n['role']} |  | {_fmt(n['wall_s'], '.1f')} | "
                 f"{_mb(n['wire_bytes_sent'])} | {_mb(n['wire_bytes_received'])} | {_mb(n['reported_bytes_sent'])} | "
                 f"{_kb(n['outer_message_bytes'])} | {n['rounds_not_aggregated']} | "
+                f"{_contributed(n)} | {n['inner_steps']:,} | "
                 f"{_fmt(n['bytes_per_token'], ',.0f')} | {_fmt(n['compute_utilisation'], '.0%')} | "
                 f"{_fmt(n['tokens_per_s'], ',.0f')} |  |"
             )
@@ -261,6 +281,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "round message (counted; ddp: its all-reduce traffic per evaluation interval / (W − 1); the swarm row is "
         "the mean over nodes). Rounds not aggregated: node-rounds whose contribution missed its group (the node "
         "re-synced). "
+        "Contributed / rounds: rounds whose aggregate holds the node's message (a virtual replica's stages each "
+        "count theirs), of the rounds it took part in; the swarm row shows the lowest node's share. Inner steps: "
+        "steps trained (rounds are time-boxed, so slower nodes train fewer). "
         "Compute utilisation: compute time / the node's wall time.",
         "",
         "## Targets",

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hetero_node.bench import cpu_quota
 from hetero_node.bench.config import BenchConfig
 from hetero_node.bench.lab_run import run_method
 from hetero_node.bench.netns import cleanup_stale, netns_unavailable_reason
@@ -33,6 +34,9 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> Path:
     reason = netns_unavailable_reason()
     if reason is not None:
         raise HeteroNodeError(f"the benchmark lab needs network namespaces, which are unavailable here: {reason}")
+    quota_reason = cpu_quota.unavailable_reason()
+    if quota_reason is not None and any(n.cpu_quota is not None for n in topology.nodes):
+        raise HeteroNodeError(f"topology {topology.name} caps node CPUs, which is unavailable here: {quota_reason}")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     cleanup_stale()  # namespaces a killed earlier run left behind
     runs = []

@@ -13,6 +13,7 @@ A topology is a small TOML file (bundled ones live in `bench/topologies/`):
     down_mbit = 1000                     # optional; default: up_mbit
     cpus = [0]                           # optional; pin the node's processes to these cores
     memory_gb = 0.3                      # optional; the memory the node advertises to the planner (--memory-gb)
+    cpu_quota = 0.3                      # optional; a CPU cgroup caps the node at this many cores (a slow machine)
 
 Unknown keys are errors, not ignored typos: a misspelt `down_mibt` would silently give a node the wrong link.
 """
@@ -52,6 +53,8 @@ class NodeSpec:
     cpus: tuple[int, ...] | None = None
     memory_gb: float | None = None
     """What the node tells the planner it has (`--memory-gb`); None: what the machine has."""
+    cpu_quota: float | None = None
+    """Cores the node's processes may use together (a CPU cgroup); None: no cap."""
 
     @property
     def link_mbit(self) -> float:
@@ -129,7 +132,7 @@ def _node(raw: Any, index: int, source: str) -> NodeSpec:
     if not isinstance(raw, dict):
         raise TopologyError(f"topology {source}: [[node]] #{index + 1} must be a table")
     where = f"node {raw['name']!r}" if isinstance(raw.get("name"), str) else f"[[node]] #{index + 1}"
-    _only_keys(raw, {"name", "role", "up_mbit", "down_mbit", "cpus", "memory_gb"}, source, where)
+    _only_keys(raw, {"name", "role", "up_mbit", "down_mbit", "cpus", "memory_gb", "cpu_quota"}, source, where)
     for key in ("name", "role", "up_mbit"):
         if key not in raw:
             raise TopologyError(f"topology {source}: {where} lacks `{key}`")
@@ -155,7 +158,10 @@ def _node(raw: Any, index: int, source: str) -> NodeSpec:
     memory = raw.get("memory_gb")
     if memory is not None:
         memory = _positive(memory, source, f"{where} memory_gb", "GB")
-    return NodeSpec(name, raw["role"], up, down, cpus, memory)
+    quota = raw.get("cpu_quota")
+    if quota is not None:
+        quota = _positive(quota, source, f"{where} cpu_quota", "cores")
+    return NodeSpec(name, raw["role"], up, down, cpus, memory, quota)
 
 
 def _rate(value: Any, source: str, where: str) -> float:

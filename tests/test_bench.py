@@ -53,6 +53,11 @@ def test_bundled_topologies_load_with_their_edge_nodes() -> None:
         topology = load_topology(Path(name))
         assert {n.link_mbit for n in topology.nodes} == {rate} and len(topology.nodes) == 4
         assert topology.edge_nodes == ()
+    mixed = load_topology(Path("mixed-speed"))
+    assert {n.name: n.cpu_quota for n in mixed.nodes} == {
+        "dc0": 0.4, "dc1": 0.4, "slow0": 0.13, "edge0": 0.4, "edge1": 0.4,
+    }  # fmt: skip
+    assert mixed.edge_nodes == ("edge0", "edge1") and [n.role for n in mixed.nodes][2] == "full"
 
 
 def test_a_topology_file_gives_roles_asymmetric_links_and_cpu_pinning(tmp_path: Path) -> None:
@@ -81,6 +86,7 @@ def test_a_topology_file_gives_roles_asymmetric_links_and_cpu_pinning(tmp_path: 
         (TWO_NODES.format(a=1, b=1).replace('"b"', '"no spaces"'), "name 'no spaces' must match"),
         (TWO_NODES.format(a=1, b=1) + "cpus = [4096]\n", "cpus must be a non-empty list of core numbers"),
         (TWO_NODES.format(a=1, b=1) + "memory_gb = 0\n", "memory_gb must be a positive number of GB"),
+        (TWO_NODES.format(a=1, b=1) + "cpu_quota = -0.5\n", "cpu_quota must be a positive number of cores"),
         (TWO_NODES.format(a=1, b=1).split("\n\n")[0], "at least two [[node]] tables"),
         ("[bootstrap]\nup_mbit = -1\n" + TWO_NODES.format(a=1, b=1), "[bootstrap] up_mbit must be a positive"),
     ],
@@ -92,7 +98,7 @@ def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> Non
 
 
 def test_a_missing_topology_names_the_bundled_ones() -> None:
-    with pytest.raises(TopologyError, match=r"no such file, nor a bundled topology .*edge-only, hetero, uniform"):
+    with pytest.raises(TopologyError, match=r"no such file, nor a bundled topology .*edge-only, hetero, mixed-speed, uniform"):
         load_topology(Path("nowhere.toml"))
 
 
@@ -111,6 +117,10 @@ def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
         "diloco", "fp32", "5",
     )  # fmt: skip
     assert "--activation-compression" not in diloco and "--subspace-rank" not in diloco
+    assert "--overlap" not in diloco and after(diloco, "--round-s") == "0.0"
+    overlapped = bootstrap_argv(BenchConfig(round_s=20, overlap=True), "sparseloco", "10.0.0.1", "b.id")
+    assert "--overlap" in overlapped and after(overlapped, "--round-s") == "20"
+    assert expected_replicas("hetero", load_topology(Path("mixed-speed")), 2) == 4  # 3 full, and the edge pipeline
     compress_all = bootstrap_argv(cfg, "compress-all", "10.0.0.1", "b.id")
     assert (after(compress_all, "--activation-compression"), after(compress_all, "--subspace-rank")) == (
         "compress-all", "8",

@@ -38,9 +38,11 @@ def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
         assert len({json.dumps(r["fingerprints"], sort_keys=True) for r in records}) == 1, f"round {t} disagrees"
         for r in records:
             assert not r["dropped"]
-            if not r["resynced"]:  # a replica that missed the round (slow start) sent nothing and loaded the state
-                assert 0 < r["bytes_sent"] <= r["dense_allreduce_bytes"] / 20
+            if r["contributed"]:  # a replica that missed the round (slow start) rebuilt it from the messages
                 assert 0 < r["bytes_received"] <= r["dense_allreduce_bytes"] / 20
+    for r in replicas:  # others fetch our messages at their pace, so a round's record may show one late
+        sent = sum(record["bytes_sent"] for record in r.values())
+        assert 0 < sent <= 3 * r[0]["dense_allreduce_bytes"] / 20
     assert any(r[t]["contributors"] == 3 for r in replicas for t in r), "the three never averaged together"
     assert replicas[0][2]["eval_loss"] < replicas[0][0]["eval_loss"] < 5.6  # ln(256) ≈ 5.55 at init
 
@@ -66,13 +68,12 @@ def test_late_joiner_catches_up(tmp_path: Path) -> None:
         swarm.start("r2", join_args(peers, 2, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
     late, early = rounds_of(tmp_path, 2), rounds_of(tmp_path, 0)
-    first = min(late)
-    assert first >= 1, "the late replica should train from the swarm's round, not from 0"
-    for t in sorted(late)[1:]:  # its first round may be one it joined halfway through: then it re-syncs
+    trained = sorted(t for t, r in late.items() if r["inner_steps"] > 0)
+    assert trained[0] >= 1, "the late replica should train from the swarm's round, not from 0"
+    assert all(late[t]["caught_up"] in ("messages", "state") for t in late if t < trained[0]), "how did it catch up?"
+    for t in trained[1:]:  # its first round may be one it joined halfway through: then it catches up again
         assert late[t]["fingerprints"] == early[t]["fingerprints"], f"late joiner disagrees after round {t}"
-    assert late[first]["fingerprints"] == early[first]["fingerprints"] or late[first]["resynced"]
     assert max(r["contributors"] for r in early.values()) == 3, "the late joiner never contributed"
-    assert "loaded the swarm's state" in (tmp_path / "r2.log").read_text()
 
 
 def group_is_gone(pgid: int, timeout: float = 15.0) -> bool:

@@ -78,6 +78,10 @@ def test_expected_group_counts_the_members_training_the_round() -> None:
     assert expected_group_size(records, 5, 1, 2) == 2  # e1 finishing round 4 (a9 two rounds behind), at least 2
     bigger = {**records, **dict([full("f3", 2, 2), full("g2", 2, 2)])}
     assert expected_group_size(bigger, 2, 1, 2) == 4  # f2, f3, g2, a9
+    just_done = {**records, **dict([full("f3", 3, train_round=2)])}  # applied θ(3), not yet planning round 3
+    assert expected_group_size(just_done, 3, 0, 2) == 5
+    receiving = {**records, **dict([full("f3", 3, train_round=-1)])}  # only receives round 3: not waited for
+    assert expected_group_size(receiving, 3, 0, 2) == 4
     overlapped = {**records, **dict([full("f3", 2, train_round=3)])}  # its round-2 exchange is in flight
     assert expected_group_size(overlapped, 3, 0, 2) == 5  # f3 holds θ(2) and already trains round 3
 

@@ -31,7 +31,9 @@ def stage_args(peers: str, index: int, workdir: Path, stage: int, **extra: str) 
 
 
 def start_swarm(swarm: LocalSwarm, workdir: Path, rounds: int, inner_steps: int, matchmaking_s: str = "3") -> str:
-    peers = swarm.start_bootstrap(run_args(rounds, inner_steps))
+    """A full replica r0 and a virtual replica (s0, s1); 3 s rounds, so the slower pipeline trains a few steps
+    each round (with H steps at the full replica's speed, tiny's rounds would last well under a second)."""
+    peers = swarm.start_bootstrap(run_args(rounds, inner_steps, round_s="3"))
     full = join_args(peers, FULL, workdir, min_peers="2")
     full[full.index("--matchmaking-s") + 1] = matchmaking_s
     swarm.start("r0", full)

@@ -35,6 +35,8 @@ class CaughtUp:
     tensors: list[Tensor]
     bytes_received: int
     donor: str
+    digests: dict[str, str]
+    """Peer id → digest of each message the round aggregated (a member can see whether its own was used)."""
 
 
 def catch_up_shard(
@@ -82,5 +84,5 @@ def catch_up_shard(
             "caught up round %d of shard %d from its %d messages (%d bytes) served by %s",
             round_, sync.shard, len(messages), received, donor,
         )  # fmt: skip
-        return CaughtUp(new, received, donor)
+        return CaughtUp(new, received, donor, {name: d for name, d, _ in manifest["members"]})
     return None

@@ -11,6 +11,7 @@ as the blob `fixed`, advertised under the fingerprint key "fixed".
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import threading
@@ -82,16 +83,21 @@ class ShardStates:
         fixed: Tensor | None,
         shared: dict[int, list[Tensor] | None] | None = None,
     ) -> None:
-        """Serve round `round_`'s state of every shard in `tensors` (`shared`: the method's shared outer state)."""
+        """Serve round `round_`'s state of every shard in `tensors` (`shared`: the method's shared outer state).
+
+        Serialized only when a peer asks: `tensors` must not change afterwards (the caller replaces its start
+        point each round rather than writing into it); the fixed table and shared state, which do change in
+        place, are copied here."""
+        fixed = None if fixed is None else fixed.detach().cpu().clone()
         for shard, shard_tensors in tensors.items():
             state: dict[str, Any] = {"round": round_, "tensors": [t.detach().cpu() for t in shard_tensors]}
             if fixed is not None:
-                state[FIXED] = fixed.detach().cpu()
+                state[FIXED] = fixed
             if shared is not None and shared.get(shard) is not None:
-                state["shared"] = [t.detach().cpu() for t in shared[shard]]
-            self.runtime.publish("state", shard, round_, to_bytes(state))
+                state["shared"] = [t.detach().cpu().clone() for t in shared[shard]]
+            self.runtime.publish("state", shard, round_, functools.partial(to_bytes, state))
         if fixed is not None:
-            self.runtime.publish(FIXED, 0, round_, to_bytes({"round": round_, FIXED: fixed.detach().cpu()}))
+            self.runtime.publish(FIXED, 0, round_, functools.partial(to_bytes, {"round": round_, FIXED: fixed}))
 
     # ---------------------------------------------------------------------------------------------- loading
 

@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 PAYLOAD, MANIFEST = "payload", "manifest"
 """Blob kinds: a member's own message of a round, and the round's manifest."""
 MAX_MANIFEST_BYTES = 1 << 20
+MOVED_ON_POLL_S = 1.0
+"""While looking for a group, check this often whether the others finished the round without us."""
 MAX_TOKENS = 1 << 40
 HEX = re.compile(r"^[0-9a-f]{8,64}$")
 
@@ -149,7 +151,6 @@ class ShardOutcome:
     contributed: bool = False
     """This member's message is part of the aggregate."""
     dropped: list[str] = field(default_factory=list)
-    bytes_sent: int = 0
     bytes_received: int = 0
 
 
@@ -285,7 +286,7 @@ class ShardSync:
             if self.stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on()):
                 control.cancel()
                 break
-            self.stop.wait(0.25)
+            self.stop.wait(MOVED_ON_POLL_S)
         if self.stop.is_set():
             return ShardOutcome(new_tensors=None)
         try:
@@ -329,13 +330,9 @@ class ShardSync:
         new = self.method.update(pending.start, combined)
         used = [messages[i] for i in combined.used]
         self._serve_manifest(pending, used, new)
-        if pending.payload is not None:  # stay until the others have our message: quitting early truncates theirs
-            self.runtime.wait_until_fetched(
-                PAYLOAD, self.shard, pending.round, len(included) - 1, self.timeouts.fetch_timeout_s, self.stop
-            )
-        sent = self.runtime.bytes_served.get((PAYLOAD, self.shard, pending.round), 0)
+        # our message stays served for KEPT_ROUNDS rounds, so the others fetch it at their pace while we go on
         contributed = any(r.name == self.me for r in used)
-        return ShardOutcome(new, group_size, len(used), contributed, dropped, sent, received)
+        return ShardOutcome(new, group_size, len(used), contributed, dropped, received)
 
     def _collect_messages(
         self, pending: PendingRound, contributors: list[Member]

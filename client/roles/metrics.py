@@ -21,7 +21,10 @@ class RoundRecord:
     """None on pipeline stages other than the last (the loss is computed there)."""
     eval_loss: float | None
     bytes_sent: int
+    """Blob bytes this peer served since its previous round record (its messages as others fetched them, state
+    and manifests for those catching up), as streamed."""
     bytes_received: int
+    """Bytes of the round's messages it downloaded, plus what catching up cost."""
     compute_s: float
     comm_s: float
     fingerprints: dict[str, str]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.outer.catch_up import catch_up_shard
+from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
 from hetero_node.client.outer.shard_state import FIXED, ShardStates, state_fingerprint
 from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
 from hetero_node.client.roles.checkpoint import load_checkpoint, save_checkpoint
@@ -141,6 +141,7 @@ class Replica(ABC):
         self.start: dict[int, list[Tensor]] = {}
         self.in_flight: InFlight | None = None
         self.on_round: Callable[[RoundRecord], None] | None = None
+        self._served_mark = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
 
     # ------------------------------------------------------------------------------------------- role hooks
@@ -271,10 +272,20 @@ class Replica(ABC):
                 self.contribute(plan, trained)
                 if not self.overlap:
                     self.settle(wait=True)
-            if not self.stop.is_set():  # serve the final state and messages to slower peers for a while
-                self.stop.wait(self.node.linger_s)
+            self.linger()
         finally:
             self.close()
+
+    def linger(self) -> None:
+        """Serve the final state and messages to slower peers before leaving: at least --linger-s, and on while
+        they still fetch (up to the fetch deadline), since leaving mid-transfer would truncate theirs."""
+        started = time.monotonic()
+        self.stop.wait(self.node.linger_s)
+        deadline = started + self.node.linger_s + self.timeouts.fetch_timeout_s
+        while (
+            not self.stop.is_set() and time.monotonic() < deadline and self.runtime.served_since(time.monotonic() - 2)
+        ):
+            self.stop.wait(0.5)
 
     def keep_serving(self) -> bool:
         """Whether to run another round (a stage peer stops when its slot was reassigned)."""
@@ -372,8 +383,8 @@ class Replica(ABC):
             got = self.rebuild_round(self.round, list(self.start))
             if got is None:
                 break
-            tensors, size = got
-            self.apply(tensors, self.round + 1, caught_up=("messages", size))
+            rebuilt, size = got
+            self.apply({s: r.tensors for s, r in rebuilt.items()}, self.round + 1, caught_up=("messages", size))
         if ahead > self.round and not self.stop.is_set():
             size = self.load_state(min_round=ahead, wait_s=0.0)
             if size is not None:
@@ -388,21 +399,21 @@ class Replica(ABC):
         messages = sum(sync.method.max_message_bytes for sync in self.syncs.values()) * replicas * behind
         return 2 * messages < sum(sync.state_bytes for sync in self.syncs.values())
 
-    def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, list[Tensor]], int] | None:
+    def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, CaughtUp], int] | None:
         """θ(t+1) of `shards` from round t's messages, served by peers that completed it; None if any failed."""
         records = self.donors(self.records())
         donors = sorted((r.round, pid) for pid, r in records.items() if pid != self.me and r.round > round_)
         order = [pid for _, pid in donors]
         fps = self.fingerprints()
-        tensors, size = {}, 0
+        rebuilt = {}
         for shard in shards:
             got = catch_up_shard(
                 self.syncs[shard], round_, self.start[shard], fps[str(shard)], order, self.timeouts.fetch_timeout_s
             )
             if got is None:
                 return None
-            tensors[shard], size = got.tensors, size + got.bytes_received
-        return tensors, size
+            rebuilt[shard] = got
+        return rebuilt, sum(got.bytes_received for got in rebuilt.values())
 
     # ----------------------------------------------------------------------------------------------- round
 
@@ -475,7 +486,7 @@ class Replica(ABC):
             members = [records[pid] for pid in view.shard_members(records, shard, self.run_cfg.outer.stages)]
             others = [r for r in members if r.peer_id != self.me]
             ahead = sum(r.round > t for r in others)
-            return ahead > 0 and ahead > sum(r.round == t for r in others)
+            return ahead > 0 and ahead > sum(view.in_round(r, t) for r in others)
 
         return check
 
@@ -490,25 +501,36 @@ class Replica(ABC):
         outcomes = {s: future.result() for s, future in flight.futures.items()}
         flight.wait_s += time.perf_counter() - waited
         settled = Settled(outcomes)
-        for shard, outcome in outcomes.items():
-            if not outcome.contributed or self.stop.is_set():
-                self.syncs[shard].drop(flight.pendings[shard])  # our Δ is not in the aggregate: keep it in EF
         if self.stop.is_set():  # leaving: the checkpoint keeps θ(t) and the error feedback as they were
+            for shard, pending in flight.pendings.items():
+                self.syncs[shard].drop(pending)
             return
         new = {s: o.new_tensors for s, o in outcomes.items() if o.new_tensors is not None}
         missing = [s for s in self.syncs if s not in new]
         if missing:
             how, size, rebuilt = self.obtain(flight, missing)
             settled.caught_up, settled.catch_up_bytes = how, size
+            for shard, got in rebuilt.items():
+                new[shard] = got.tensors
+                pending = flight.pendings.get(shard)
+                if pending is not None and got.digests.get(self.me) == pending.meta.digest != "":
+                    outcomes[shard].contributed = True  # the group used our message though we missed its end
             if how in ("state", "failed"):  # a whole state replaced ours, or we stay in round t for catch-up
+                self.drop_unused(flight, outcomes)
                 self.rebase(flight)
                 self.record_round(flight.round, flight, None, settled)
                 return
-            new.update(rebuilt)
+        self.drop_unused(flight, outcomes)
         eval_loss = self.apply(new, flight.round + 1, flight)
         self.record_round(flight.round, flight, eval_loss, settled)
 
-    def obtain(self, flight: InFlight, shards: list[int]) -> tuple[str, int, dict[int, list[Tensor]]]:
+    def drop_unused(self, flight: InFlight, outcomes: dict[int, ShardOutcome]) -> None:
+        """Our Δ of a shard whose aggregate does not hold our message goes back into the error feedback."""
+        for shard, pending in flight.pendings.items():
+            if not outcomes[shard].contributed:
+                self.syncs[shard].drop(pending)
+
+    def obtain(self, flight: InFlight, shards: list[int]) -> tuple[str, int, dict[int, CaughtUp]]:
         """θ(t+1) of `shards` when our group did not give it: (how, bytes, tensors). Waits while another member
         may still complete round t, then rebuilds it from the round's messages ("messages"), or loads a peer's
         state ("state", all shards at once), or, when nobody completed it, keeps θ(t) ("void"). "failed": others
@@ -521,25 +543,22 @@ class Replica(ABC):
             records = self.records()
             donors = self.donors(records)
             if any(pid != self.me and r.round > t for pid, r in donors.items()):
-                rebuilt = self.rebuild_round(t, shards) if self.messages_cheaper(1, records) else None
-                if rebuilt is not None:
-                    return "messages", rebuilt[1], rebuilt[0]
+                got = self.rebuild_round(t, shards) if self.messages_cheaper(1, records) else None
+                if got is not None:
+                    return "messages", got[1], got[0]
                 size = self.load_state(min_round=t + 1, wait_s=0.0)
                 return ("state", size, {}) if size is not None else ("failed", 0, {})
-            # someone may still complete round t: it is in it, or holds θ(t) and is about to plan it
-            still = [
-                pid
-                for pid, r in donors.items()
-                if pid != self.me and (view.in_round(r, t) or (r.round == t and r.train_round >= 0))
-            ]
+            still = [pid for pid, r in donors.items() if pid != self.me and view.coming(r, t)]
             if not still or get_dht_time() > end:
                 break
-            time.sleep(0.5)
+            self.stop.wait(0.5)
+        if self.stop.is_set():
+            return "failed", 0, {}
         logger.warning("round %d: nobody completed it; going on from round %d's weights", t, t)
         fps = self.fingerprints()
         for shard in shards:
             self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)])
-        return "void", 0, {s: self.start[s] for s in shards}
+        return "void", 0, {s: CaughtUp(self.start[s], 0, self.me, {}) for s in shards}
 
     def apply(
         self,
@@ -586,6 +605,13 @@ class Replica(ABC):
                 delta = param - mark  # computed before param is overwritten
                 param.copy_(start).add_(delta)
 
+    def _bytes_sent_since_last_record(self) -> int:
+        """Blob bytes we served since the previous round's record: our messages as the others fetched them (at
+        their pace: a message may be fetched after our record of its round), manifests, states for catch-up."""
+        total = self.runtime.bytes_served_total
+        sent, self._served_mark = total - self._served_mark, total
+        return sent
+
     def record_round(self, round_: int, flight: InFlight | None, eval_loss: float | None, settled: Settled) -> None:
         """Write the round's metrics line and hand it to the caller's callback."""
         trained = flight.trained if flight is not None else None
@@ -599,7 +625,7 @@ class Replica(ABC):
             tokens=trained.tokens if trained else 0,
             train_loss=trained.loss if trained else None,
             eval_loss=eval_loss,
-            bytes_sent=sum(o.bytes_sent for o in outcomes),
+            bytes_sent=self._bytes_sent_since_last_record(),
             bytes_received=sum(o.bytes_received for o in outcomes) + settled.catch_up_bytes,
             compute_s=trained.compute_s if trained else 0.0,
             comm_s=(flight.comm_s + flight.wait_s) if flight else 0.0,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetero_node.client.swarm.view import coming
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import OuterConfig
 
@@ -94,10 +95,10 @@ class RoundClock:
             known.append(self.step_s)
         return self.outer.inner_steps * min(known) if known else None
 
-    def grace(self, records: dict[str, PeerRecord], length_s: float | None) -> float:
+    def grace(self, records: dict[str, PeerRecord], round_: int, length_s: float | None) -> float:
         """How long a group waits past the deadline: a matchmaking window, a fraction of the round, or one and a
-        half steps of the slowest member, whichever is longest."""
-        slowest = max([r.step_s for r in records.values()] + [self.step_s])
+        half steps of the slowest replica coming to this round, whichever is longest."""
+        slowest = max([r.step_s for r in records.values() if coming(r, round_)] + [self.step_s])
         return max(self.matchmaking_s, self.straggler_fraction * (length_s or 0.0), 1.5 * slowest)
 
     def plan(self, round_: int, records: dict[str, PeerRecord], me: str, now: float) -> RoundPlan:
@@ -109,7 +110,7 @@ class RoundClock:
             proposal = self._last[1] + length if on_schedule else now + length
             deadline = max(proposal, now + MIN_ROUND_FRACTION * length)
             deadline = self.earliest(round_, records, me, deadline)
-        grace = self.grace(records, length)
+        grace = self.grace(records, round_, length)
         min_steps, max_steps = self.outer.min_inner_steps, self.outer.max_inner_steps
         sit_out = deadline is not None and self.step_s > 0 and now + min_steps * self.step_s > deadline + grace
         if deadline is not None:

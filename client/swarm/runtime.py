@@ -15,7 +15,7 @@ import multiprocessing
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -115,11 +115,12 @@ class PeerRuntime:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hetero-node-p2p", daemon=True)
         self._thread.start()
-        self._blobs: dict[tuple[str, int], dict[int, bytes]] = defaultdict(dict)
+        self._blobs: dict[tuple[str, int], dict[int, bytes | Callable[[], bytes]]] = defaultdict(dict)
         self._blobs_lock = threading.Lock()
         self._dht_lock = threading.Lock()  # hivemind's DHT writes requests to one pipe without a lock of its own
-        self.bytes_served: dict[tuple[str, int, int], int] = defaultdict(int)
-        self.requests_served: dict[tuple[str, int, int], int] = defaultdict(int)
+        self._last_request = 0.0
+        self.bytes_served_total = 0
+        """Every blob byte served so far (what a round's `bytes_sent` is taken from)."""
         self._record: tuple[PeerRecord | None, float] = (None, 0.0)
         self._heartbeat: Any = None
         self.p2p = self.run(self.dht.replicate_p2p())
@@ -153,9 +154,10 @@ class PeerRuntime:
 
     # ------------------------------------------------------------------------------------------------ blobs
 
-    def publish(self, kind: str, shard: int, round_: int, data: bytes) -> None:
+    def publish(self, kind: str, shard: int, round_: int, data: bytes | Callable[[], bytes]) -> None:
         """Serve `data` as (kind, shard, round); blobs of rounds KEPT_ROUNDS or more below it are forgotten (for
-        every kind: one-off kinds such as a round's re-served messages go away entirely)."""
+        every kind: one-off kinds such as a round's re-served messages go away entirely). `data` may be a function
+        that makes the bytes: it runs when someone first asks (a whole state is serialized only if a peer needs it)."""
         with self._blobs_lock:
             self._blobs[(kind, shard)][round_] = data
             oldest = round_ - KEPT_ROUNDS + 1
@@ -169,11 +171,8 @@ class PeerRuntime:
                     del rounds[old]
                 if not rounds:
                     del self._blobs[key]
-            for counters in (self.bytes_served, self.requests_served):
-                for stale in [k for k in counters if k[2] < oldest]:
-                    del counters[stale]
 
-    def _lookup(self, kind: str, shard: int, round_: int) -> tuple[int, bytes] | None:
+    def _lookup(self, kind: str, shard: int, round_: int) -> tuple[int, bytes | Callable[[], bytes]] | None:
         with self._blobs_lock:
             rounds = self._blobs.get((kind, shard), {})
             if kind in LATEST_KINDS and round_ not in rounds:  # the asked round, else the newest one after it
@@ -186,12 +185,15 @@ class PeerRuntime:
         if found is None:
             raise KeyError(f"no {request.kind} for shard {request.shard} round {request.round} here")
         round_, data = found
-        key = (request.kind, request.shard, round_)
+        if callable(data):  # made on first request, off the event loop, then kept
+            data = await asyncio.get_running_loop().run_in_executor(None, data)
+            with self._blobs_lock:
+                self._blobs.get((request.kind, request.shard), {}).update({round_: data})
         for start in range(0, max(len(data), 1), BLOB_PIECE_BYTES):
             piece = wire.BlobChunk(data=data[start : start + BLOB_PIECE_BYTES], total_size=len(data), round=round_)
-            self.bytes_served[key] += piece.ByteSize()
+            self.bytes_served_total += piece.ByteSize()
             yield piece
-        self.requests_served[key] += 1
+        self._last_request = time.monotonic()
 
     def fetch(
         self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int, timeout: float
@@ -230,21 +232,9 @@ class PeerRuntime:
             raise ValueError(f"peer {peer_id} sent a truncated {kind} ({received} of {announced} bytes)")
         return served_round, b"".join(pieces)
 
-    def wait_until_fetched(
-        self, kind: str, shard: int, round_: int, count: int, timeout: float, stop: threading.Event | None = None
-    ) -> int:
-        """Block until `count` peers fetched our blob (or timeout); returns how many did.
-
-        A peer that quits right after its own step truncates what slower peers receive (hivemind-notes, D):
-        staying until the others have our payload makes that impossible for the payloads we serve.
-        """
-        deadline = time.monotonic() + timeout
-        key = (kind, shard, round_)
-        while self.requests_served[key] < count and time.monotonic() < deadline:
-            if stop is not None and stop.is_set():
-                break
-            time.sleep(0.05)
-        return self.requests_served[key]
+    def served_since(self, since: float) -> bool:
+        """Whether any blob was requested after `since` (monotonic time): others still fetch from us."""
+        return self._last_request > since
 
     # ---------------------------------------------------------------------------------------------- records
 

@@ -55,9 +55,12 @@ def in_round(record: PeerRecord, round_: int) -> bool:
 
 
 def coming(record: PeerRecord, round_: int) -> bool:
-    """The group of `round_` should wait for this peer: it is in the round, or still finishing the one before
-    (a slow replica catching up, which then trains what fits before the deadline and joins)."""
-    return in_round(record, round_) or record.round == record.train_round == round_ - 1
+    """The group of `round_` should wait for this peer: it is in the round; or it is still finishing the round
+    before (a slow replica catching up, which then trains what fits before the deadline and joins), or has just
+    finished it and not yet started this one. A peer that only receives (train_round −1) is never waited for."""
+    if record.train_round < 0:
+        return False
+    return in_round(record, round_) or (record.train_round == round_ - 1 and record.round in (round_ - 1, round_))
 
 
 def expected_group_size(records: Records, round_: int, shard: int, n_stages: int) -> int:
