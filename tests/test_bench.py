@@ -98,7 +98,8 @@ def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> Non
 
 
 def test_a_missing_topology_names_the_bundled_ones() -> None:
-    with pytest.raises(TopologyError, match=r"no such file, nor a bundled topology .*edge-only, hetero, mixed-speed, uniform"):
+    bundled = "edge-only, hetero, mixed-speed, uniform"
+    with pytest.raises(TopologyError, match=rf"no such file, nor a bundled topology .*{bundled}"):
         load_topology(Path("nowhere.toml"))
 
 
