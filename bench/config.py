@@ -104,3 +104,25 @@ class DDPWorkerConfig:
         require_positive(self, "world_size", "eval_batches", "timeout_s")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"--rank {self.rank} is not in 0..{self.world_size - 1}")
+
+
+@dataclass(frozen=True)
+class KillSoakConfig:
+    """The fault schedule and the swarm it hits; defaults take about 7 minutes on a 2-core machine."""
+
+    kills: int = field(default=20, metadata={"help": "SIGKILLs of random peers (each restarted at once)."})
+    freezes: int = field(default=5, metadata={"help": "SIGSTOP freezes of random peers (SIGCONT after --freeze-s)."})
+    freeze_s: float = field(default=8.0, metadata={"help": "How long a frozen peer stays stopped."})
+    interval_s: float = field(default=12.0, metadata={"help": "Seconds between two faults."})
+    full: int = field(default=3, metadata={"help": "Full replicas."})
+    virtual: int = field(default=1, metadata={"help": "Virtual replicas (2 stage peers each)."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset."})
+    round_s: float = field(default=4.0, metadata={"help": "Round length in seconds."})
+    settle_rounds: int = field(default=3, metadata={"help": "Rounds to run after the last fault before stopping."})
+    seed: int = field(default=0, metadata={"help": "Seed of the fault schedule (which peer, kill or freeze)."})
+    out: Path = field(default=Path("bench/results/kills"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "freeze_s", "interval_s", "round_s", "settle_rounds")
+        if min(self.kills, self.freezes, self.full, self.virtual) < 0 or self.full + self.virtual < 2:
+            raise ConfigError("--kills, --freezes, --full and --virtual must not be negative; two replicas at least")

@@ -75,7 +75,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
             "outer_bytes_per_round": sum(r["bytes_sent"] for r in rounds) / len(rounds) if rounds else None,
             "outer_message_bytes": _message_bytes(rounds),
             "rounds_not_aggregated": sum(1 for r in rounds if r.get("resynced")),
-            "rounds_contributed": sum(1 for r in rounds if r.get("contributed")) if run["method"] != "ddp" else None,
+            "rounds_contributed": sum(1 for r in rounds if _contributed_to(r)) if run["method"] != "ddp" else None,
             "inner_steps": sum(r["inner_steps"] for r in rounds),
             "reported_bytes_received": sum(r["bytes_received"] + r.get("boundary_bytes_received", 0) for r in rounds),
             "tokens": tokens,
@@ -121,6 +121,14 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "nodes": nodes,
         "curve": curve,
     }
+
+
+def _contributed_to(record: dict[str, Any]) -> bool:
+    """The node's message is in a group's aggregate (metrics from before `contributed` existed: it did not
+    re-sync and was in a group of two or more)."""
+    if "contributed" in record:
+        return bool(record["contributed"])
+    return not record.get("resynced") and record.get("group_size", 0) > 1
 
 
 def _message_bytes(rounds: list[dict[str, Any]]) -> float | None:

@@ -124,11 +124,13 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class SyncTimeouts:
-    """How long a round waits for others; a dead or frozen peer costs at most these (hivemind-notes, C)."""
+    """How long a round waits for others; a dead or frozen peer costs at most these (hivemind pitfall C in
+    ARCHITECTURE.md)."""
 
     matchmaking_s: float = field(default=4.0, metadata={"help": "Shortest wait of a round's group for late members."})
     straggler_fraction: float = field(
-        default=0.25, metadata={"help": "A group also waits this fraction of the round's compute time for members."}
+        default=0.5,
+        metadata={"help": "A round's group waits this fraction of the round's length past its deadline for members."},
     )
     round_timeout_s: float = field(default=60.0, metadata={"help": "Give up on a round's averaging after this."})
     fetch_timeout_s: float = field(default=30.0, metadata={"help": "Deadline to download peers' payloads."})

@@ -1,4 +1,4 @@
-"""SparseLoCo compression: error feedback, chunked top-k, 2-bit values (method.md §1.1).
+"""SparseLoCo compression: error feedback, chunked top-k, 2-bit values (Sarfi et al. 2025, arXiv 2508.15706).
 
 Every replica keeps a decayed error-feedback buffer per tensor. Each round it adds its pseudo-gradient, sends
 only the largest-magnitude entries of every chunk (k of them, 2 bits per value plus a 12-bit in-chunk index)

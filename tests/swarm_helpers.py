@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 
 

@@ -55,7 +55,7 @@ def test_bundled_topologies_load_with_their_edge_nodes() -> None:
         assert topology.edge_nodes == ()
     mixed = load_topology(Path("mixed-speed"))
     assert {n.name: n.cpu_quota for n in mixed.nodes} == {
-        "dc0": 0.4, "dc1": 0.4, "slow0": 0.13, "edge0": 0.4, "edge1": 0.4,
+        "dc0": 0.5, "dc1": 0.5, "slow0": 0.17, "edge0": 0.3, "edge1": 0.3,
     }  # fmt: skip
     assert mixed.edge_nodes == ("edge0", "edge1") and [n.role for n in mixed.nodes][2] == "full"
 

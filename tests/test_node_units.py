@@ -192,3 +192,14 @@ def test_demo_summary_counts_pipeline_bytes_and_per_shard_agreement() -> None:
     assert summary["boundary_bytes_per_token"] == 66.0  # (34 000 + 32 000) bytes per 1000 tokens the VR trained
     assert summary["boundary_bytes_per_token_dense"] == 2 * 128 * 2 + 2  # bf16 both ways plus a u16 id
     assert summary["eval_loss_last_round"] == 3.5
+
+
+def test_run_requirements_size_round_traffic_with_the_runs_own_outer_method() -> None:
+    from hetero_node.client.node.capabilities import run_requirements
+    from hetero_node.models.config import get_preset
+
+    n_params = get_preset("tiny").n_params()
+    sparse = run_requirements(run_config()).replica_round_bytes
+    dense = run_requirements(run_config(outer=OuterConfig(outer="diloco"))).replica_round_bytes
+    assert dense == 4 * n_params + 2 * 10  # fp32 values of both shards, each behind a 10-byte header
+    assert 100 < dense / sparse < 200  # SparseLoCo's 0.219 bits per parameter against 32

@@ -18,7 +18,7 @@ import pytest
 import torch
 from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, start_replicas, wait_for_round
 
-from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.models.shards import fingerprint

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, run_args, wait_for_round
 
-from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, boundary_bytes_per_token
 

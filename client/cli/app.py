@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from hetero_node.bench.config import BenchConfig, DDPWorkerConfig
+from hetero_node.bench.config import BenchConfig, DDPWorkerConfig, KillSoakConfig
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
@@ -286,6 +286,20 @@ def bench(cfg: BenchConfig) -> None:
     path = run_bench(cfg, err_console)
     console.print(path.with_suffix(".md").read_text(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"report: {path} and {path.with_suffix('.md')}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("bench-kills")
+@expand_dataclass_options
+def bench_kills(cfg: KillSoakConfig) -> None:
+    """Kill (and restart) or freeze random peers of a local swarm through a long run; report agreement, waits,
+    recovery and leftover processes (report.json and report.md under --out)."""
+    from rich.progress import Progress
+
+    from hetero_node.bench.kill_soak import render_markdown, run_kill_soak
+
+    with Progress(console=err_console) as progress:
+        report = run_kill_soak(cfg, progress)
+    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("ddp-rank", hidden=True)

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError, require_positive
 
@@ -43,13 +43,22 @@ class DemoConfig:
     outer: str = field(default="sparseloco", metadata={"help": "sparseloco, or diloco for the dense baseline."})
     diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
     lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate."})
+    round_s: float = field(default=0.0, metadata={"help": "Round length in seconds (0: H steps at the fastest speed)."})
+    min_inner_steps: int = field(default=1, metadata={"help": "Fewest inner steps a replica trains to contribute."})
+    max_inner_steps: int = field(
+        default=0, metadata={"help": "Most inner steps per round (0: no cap; = H with --min-inner-steps H: fixed H)."}
+    )
+    overlap: bool = field(default=False, metadata={"help": "Full replicas train on while a round's exchange runs."})
+    seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
     report: Path | None = field(default=None, metadata={"help": "Write the JSON report here."})
     workdir: Path | None = field(
         default=None, metadata={"help": "Logs, metrics and checkpoints (default: a temp dir)."}
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr")
+        require_positive(self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr", "min_inner_steps")
+        if min(self.round_s, self.max_inner_steps, self.seed) < 0:
+            raise ConfigError("--round-s, --max-inner-steps and --seed must not be negative")
         if self.full < 0 or self.virtual < 0 or self.full + self.virtual < 1:
             raise ConfigError(f"--full {self.full} --virtual {self.virtual}: the swarm needs at least one replica")
         if self.virtual and self.stages < 2:
@@ -74,6 +83,8 @@ def run_args(cfg: DemoConfig) -> list[str]:
         "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
         "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
         "--activation-compression", cfg.activation_compression, "--subspace-rank", str(cfg.subspace_rank),
+        "--round-s", str(cfg.round_s), "--min-inner-steps", str(cfg.min_inner_steps),
+        "--max-inner-steps", str(cfg.max_inner_steps), "--seed", str(cfg.seed), *(["--overlap"] if cfg.overlap else []),
     ]  # fmt: skip
 
 

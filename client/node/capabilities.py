@@ -20,8 +20,8 @@ from hetero_node.models.memory import full_and_stage_memory
 from hetero_node.models.shards import shard_parameter_names
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.outer_methods import outer_method
 from hetero_node.protocol.run_config import RunConfig
-from hetero_node.protocol.sparse_codec import message_size_bytes
 
 GB = 1e9
 COMM_FRACTION = 0.1
@@ -56,8 +56,8 @@ def run_requirements(run: RunConfig) -> Requirements:
     with torch.device("meta"):
         model = Transformer(cfg)
     shapes = dict((name, tuple(p.shape)) for name, p in model.named_parameters())
-    message = sum(
-        message_size_bytes([shapes[n] for n in names], run.sparseloco)
+    message = sum(  # the run's own outer method: a DiLoCo message is ~150× a SparseLoCo one
+        outer_method(run, [shapes[n] for n in names]).max_message_bytes
         for names in shard_parameter_names(cfg, run.outer.stages)
     )
     return Requirements(

@@ -30,8 +30,8 @@ class ShardAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info: Any, min_vector_size: int, **kwargs: Any) -> dict[Any, Any]:
         """Return the gathered metadata and skip hivemind's all-reduce: payloads travel over our own verified
         streams. The all-reduce could fail for one member and succeed for another (a partial average reported
-        as success, hivemind-notes D), which would split the group's view of who took part; the leader's
-        gathered list is the same for every member that got it."""
+        as success: hivemind pitfall D in ARCHITECTURE.md), which would split the group's view of who took part;
+        the leader's gathered list is the same for every member that got it."""
         gathered = {}
         for peer, item in zip(group_info.peer_ids, group_info.gathered, strict=True):
             _bandwidth, _mode, user_data = self.serializer.loads(item)

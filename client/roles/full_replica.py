@@ -70,6 +70,8 @@ class FullReplica(Replica):
             store, self.replica_id % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
         )
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
+        self.eval_s = 0.0
+        """How long the last evaluation took (0: none yet)."""
 
     @property
     def params(self) -> dict[int, list[Tensor]]:
@@ -141,5 +143,15 @@ class FullReplica(Replica):
         return True
 
     def evaluate(self, round_: int, trained: bool) -> float | None:
+        """Held-out loss of θ(t+1), when due, unless it would make us miss the next round's deadline: every full
+        replica evaluates the same weights, so a slow one that is behind the schedule leaves it to the others."""
         due = (round_ + 1) % self.node.eval_every == 0 or round_ + 1 >= self.run_cfg.outer.rounds
-        return self.trainer.evaluate(self.val) if due else None
+        if not due:
+            return None
+        if self.behind_schedule(round_ + 1, self.eval_s):
+            logger.info("round %d: skipping the evaluation (%.1f s) to make the next deadline", round_, self.eval_s)
+            return None
+        started = time.perf_counter()
+        loss = self.trainer.evaluate(self.val)
+        self.eval_s = time.perf_counter() - started
+        return loss

@@ -139,6 +139,7 @@ class Replica(ABC):
         self.clock = RoundClock(run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap)
         self.syncs: dict[int, ShardSync] = {}
         self.start: dict[int, list[Tensor]] = {}
+        self._fingerprints: dict[str, str] = {}
         self.in_flight: InFlight | None = None
         self.on_round: Callable[[RoundRecord], None] | None = None
         self._served_mark = 0
@@ -179,6 +180,17 @@ class Replica(ABC):
     @abstractmethod
     def metrics_header(self) -> dict[str, Any]:
         """The metrics file's header: role, stage, vr, replica id, parameters."""
+
+    def behind_schedule(self, round_: int, extra_s: float) -> bool:
+        """Whether spending `extra_s` now would leave too little time to train the minimum steps of `round_`
+        before the deadline other replicas already announced for it (the round is then under way without us)."""
+        from hivemind.utils import get_dht_time
+
+        records = self.records(timeout=1.0)
+        announced = [r.deadline for pid, r in records.items() if pid != self.me and r.train_round == round_]
+        announced = [d for d in announced if d > 0]
+        needed = extra_s + self.run_cfg.outer.min_inner_steps * self.clock.step_s
+        return bool(announced) and get_dht_time() + needed > min(announced)
 
     def deltas(self, shard: int) -> list[Tensor]:
         """Δ = θ(t) − θ_local of a shard (a virtual replica measures it from its projected start)."""
@@ -240,7 +252,7 @@ class Replica(ABC):
         self.trainer.load_state_dict(state["trainer"])
         for shard, sync_state in zip(sorted(self.syncs), state["syncs"], strict=True):
             self.syncs[shard].method.load_state_dict(sync_state)
-        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.adopt_start()
         self.round = int(state["round"])
         outer_state = fingerprint([t for s in sorted(self.syncs) for t in self.syncs[s].method.private_tensors()])
         logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
@@ -303,7 +315,7 @@ class Replica(ABC):
             self.runtime, shapes, None if fixed is None else tuple(fixed.shape), self.timeouts.fetch_timeout_s
         )
         self.metrics = MetricsWriter(self.node.metrics, {**self.metrics_header(), "run": self.run_cfg.to_dict()})
-        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.adopt_start()
 
     def close(self) -> None:
         """Leave the averaging groups; bounded, also when a signal took their processes down already."""
@@ -331,11 +343,17 @@ class Replica(ABC):
     def records(self, timeout: float = 5.0) -> dict[str, PeerRecord]:
         return self.runtime.read_records(timeout) or {}
 
-    def fingerprints(self) -> dict[str, str]:
-        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), and T_fixed."""
+    def adopt_start(self) -> None:
+        """θ(t) := the live parameters (after an outer step, a state load or a checkpoint), and its fingerprints,
+        computed once here (hashing the model is not free on a slow machine)."""
+        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
         fixed = self.fixed_table
         fps = {str(s): state_fingerprint(tensors, fixed) for s, tensors in self.start.items()}
-        return fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
+        self._fingerprints = fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
+
+    def fingerprints(self) -> dict[str, str]:
+        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), and T_fixed."""
+        return self._fingerprints
 
     def announce(self, **fields: Any) -> None:
         """Our record's progress part: the round whose θ(t) we hold, its fingerprints, and anything given."""
@@ -366,7 +384,7 @@ class Replica(ABC):
                 logger.warning("shard %d: the donor's outer state is unusable (%s); keeping ours", shard, e)
         if self.fixed_table is not None:
             self.fixed_table.copy_(next(iter(states.values()))[FIXED])
-        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.adopt_start()
         self.round = new_round
         self.publish_state()
         self.announce()
@@ -453,6 +471,7 @@ class Replica(ABC):
             self.in_flight = InFlight(plan, None, {}, {}, None)
             return
         self.clock.record_speed(trained.steps, trained.compute_s)
+        self.announce(step_s=round(self.clock.step_s, 4))  # the group's grace (1.5 of our steps) reads it now
         records = self.records()
         fps = self.fingerprints()
         pendings = {}
@@ -578,7 +597,7 @@ class Replica(ABC):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
             self.rebase(flight)
             return None
-        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        self.adopt_start()
         self.round = new_round
         self.publish_state()
         self.announce()

@@ -33,7 +33,7 @@ T = TypeVar("T")
 LATEST_KINDS = ("state", "fixed")
 """Blob kinds a peer serves its newest copy of, whatever round others are in (state for late joiners)."""
 BLOB_PIECE_BYTES = 1 << 20
-"""Stream pieces stay far below libp2p's 4 MiB message cap (hivemind-notes: large unary messages fail)."""
+"""Stream pieces stay far below libp2p's 4 MiB message cap (ARCHITECTURE.md, hivemind pitfall A)."""
 KEPT_ROUNDS = 4
 """Blobs of the last rounds stay served, so a slow peer can still fetch them (or catch up from them) after we
 moved on; older ones, and their byte counters, are forgotten."""
@@ -286,7 +286,7 @@ class PeerRuntime:
             future = self.dht.get(key, latest=True, return_future=True)
         try:
             found = future.result(timeout)
-        except Exception as e:  # a DHT that does not answer must not stall training (hivemind-notes, H)
+        except Exception as e:  # a DHT that does not answer must not stall training (hivemind pitfall H)
             logger.warning("reading %s from the DHT failed: %r", key, e)
             return None
         if found is None or not isinstance(found.value, dict):

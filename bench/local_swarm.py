@@ -2,7 +2,7 @@
 
 Used by `hetero-node demo` and by the multi-peer tests, so both exercise exactly what a user runs. Each process
 gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child, averager
-children and p2pd with it (hivemind-notes, E: killing only the main process orphans them).
+children and p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans them).
 """
 
 from __future__ import annotations

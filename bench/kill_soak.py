@@ -1,0 +1,228 @@
+"""`hetero-node bench-kills`: a long loopback run in which random peers are SIGKILLed (and restarted) or frozen
+(SIGSTOP, then SIGCONT), with figures on what the swarm did about it.
+
+Peers are real `hetero-node join` processes (full replicas and one virtual replica's stages) with stable
+identities and checkpoints, as a volunteer would run them; a killed peer is started again at once with the same
+command line. The report says, from the peers' own metrics:
+
+* rounds in which peers that completed the round hold different weights (goal 0);
+* rounds whose exchange kept a peer waiting past the longest legitimate wait, `round_timeout_s` plus
+  `fetch_timeout_s` (goal 0: nobody hangs);
+* for every restart, how many rounds after the swarm's round at the kill the peer contributes again (goal ≤ 2);
+* peers that did not exit 0 within 30 s of SIGTERM at the end, and processes (p2pd included) left running.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from hetero_node.bench.config import KillSoakConfig
+from hetero_node.bench.local_swarm import LocalSwarm
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0
+
+
+def run_args(cfg: KillSoakConfig) -> list[str]:
+    return [
+        "--preset", cfg.preset, "--rounds", "100000", "--inner-steps", "30", "--round-s", str(cfg.round_s),
+        "--batch-size", "8", "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
+    ]  # fmt: skip
+
+
+def peer_args(cfg: KillSoakConfig, peers: str, name: str, workdir: Path, index: int) -> list[str]:
+    """A peer's `join` command line; the same after a restart (identity, checkpoints, metrics file)."""
+    role = ["--role", "full"] if name.startswith("r") else ["--role", "stage", "--stage", name[-1]]
+    return [
+        "--log-level", "INFO", "join", "--peers", peers, *role, "--replica-id", str(index),
+        "--identity", str(workdir / f"{name}.id"), "--checkpoint-dir", str(workdir / f"{name}.ckpt"),
+        "--metrics", str(workdir / f"{name}.jsonl"), "--matchmaking-s", "3", "--round-timeout-s", "20",
+        "--fetch-timeout-s", "10", "--record-refresh-s", "3", "--stage-timeout-s", "10", "--settle-s", "1",
+        "--bandwidth-mbps", "1000", "--quiet",
+    ]  # fmt: skip
+
+
+def rounds_of(path: Path) -> dict[int, dict[str, Any]]:
+    """A peer's round records by round (a later line for the same round wins); partial lines are skipped."""
+    records: dict[int, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "round" in obj:
+                records[obj["round"]] = obj
+    return records
+
+
+def p2pd_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "p2pd"], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the scenario and return the report (also written to `out/report.json` and `report.md`)."""
+    workdir = cfg.out / "logs"
+    workdir.mkdir(parents=True, exist_ok=True)
+    for stale in workdir.glob("*.jsonl"):
+        stale.unlink()
+    names = [f"r{i}" for i in range(cfg.full)] + [f"vr{v}-s{s}" for v in range(cfg.virtual) for s in range(2)]
+    rng = random.Random(cfg.seed)
+    faults = ["kill"] * cfg.kills + ["freeze"] * cfg.freezes
+    rng.shuffle(faults)
+    before_p2pd = p2pd_pids()
+    events: list[dict[str, Any]] = []
+    groups: list[int] = []
+    started = time.monotonic()
+    with LocalSwarm(workdir) as swarm:
+        peers = swarm.start_bootstrap(run_args(cfg))
+        current = {name: name for name in names}  # peer → the name of its running process (a restart gets a new one)
+        for index, name in enumerate(names):
+            groups.append(swarm.start(name, peer_args(cfg, peers, name, workdir, index)).pid)
+
+        def swarm_round() -> int:
+            return max(max(rounds_of(workdir / f"{n}.jsonl"), default=-1) for n in names)
+
+        _wait(lambda: swarm_round() >= 2, 300, "the swarm's first rounds")
+        task = progress.add_task("faults", total=len(faults)) if progress else None
+        for number, fault in enumerate(faults):
+            time.sleep(cfg.interval_s)
+            victim = rng.choice(names)
+            at_round = swarm_round()
+            if fault == "kill":
+                swarm.stop(current[victim], sig=signal.SIGKILL)
+                current[victim] = f"{victim}.{number}"
+                args = peer_args(cfg, peers, victim, workdir, names.index(victim))
+                groups.append(swarm.start(current[victim], args).pid)
+            else:
+                pgid = swarm.processes[current[victim]].pid
+                os.killpg(pgid, signal.SIGSTOP)
+                time.sleep(cfg.freeze_s)
+                os.killpg(pgid, signal.SIGCONT)
+            events.append({"fault": fault, "peer": victim, "at_s": time.monotonic() - started, "swarm_round": at_round})
+            if progress is not None and task is not None:
+                progress.update(task, completed=number + 1)
+        last = swarm_round()
+        _wait(lambda: swarm_round() >= last + cfg.settle_rounds, 120, "the swarm to go on after the last fault")
+        exits: dict[str, dict[str, Any]] = {}
+        for name in names:
+            process = swarm.processes[current[name]]
+            stopped = time.monotonic()
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+                code: int | str = process.wait(STOP_TIMEOUT_S)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                code = "did not exit"
+            exits[name] = {"code": code, "seconds": round(time.monotonic() - stopped, 1)}
+    time.sleep(2)
+    leftovers = sum(1 for pgid in groups if _group_alive(pgid)) + len(p2pd_pids() - before_p2pd)
+    report = analyse(cfg, names, workdir, events, exits, leftovers, time.monotonic() - started)
+    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (cfg.out / "report.md").write_text(render_markdown(report))
+    return report
+
+
+def _wait(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f} s")
+        time.sleep(1.0)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def analyse(
+    cfg: KillSoakConfig,
+    names: list[str],
+    workdir: Path,
+    events: list[dict[str, Any]],
+    exits: dict[str, dict[str, Any]],
+    leftovers: int,
+    wall_s: float,
+) -> dict[str, Any]:
+    """The figures of the module docstring, from every peer's metrics."""
+    per_peer = {name: rounds_of(workdir / f"{name}.jsonl") for name in names}
+    by_round: dict[int, dict[str, set[str]]] = {}
+    for records in per_peer.values():
+        for t, record in records.items():
+            for key, value in record["fingerprints"].items():
+                by_round.setdefault(t, {}).setdefault(key, set()).add(value)
+    disagreeing = sorted(t for t, shards in by_round.items() if any(len(fps) > 1 for fps in shards.values()))
+    longest_wait = 20.0 + 10.0  # --round-timeout-s + --fetch-timeout-s above
+    waits = [r["comm_s"] for records in per_peer.values() for r in records.values()]
+    recoveries = []
+    for event in events:
+        records = per_peer[event["peer"]]
+        back = [t for t, r in sorted(records.items()) if t >= event["swarm_round"] and r.get("contributed")]
+        recoveries.append({**event, "rounds_to_contribute": (back[0] - event["swarm_round"]) if back else None})
+    kills = [r["rounds_to_contribute"] for r in recoveries if r["fault"] == "kill"]
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "wall_s": round(wall_s, 1),
+        "rounds": max(by_round, default=-1) + 1,
+        "rounds_disagreeing": len(disagreeing),
+        "disagreeing_rounds": disagreeing,
+        "waits_past_deadline": sum(1 for w in waits if w > longest_wait),
+        "longest_wait_s": round(max(waits, default=0.0), 1),
+        "kills": len(kills),
+        "freezes": sum(1 for e in events if e["fault"] == "freeze"),
+        "restarts_contributing_within_2_rounds": sum(1 for k in kills if k is not None and k <= 2),
+        "rounds_to_contribute_after_kill": {
+            "max": max((k for k in kills if k is not None), default=None),
+            "mean": statistics.mean(k for k in kills if k is not None) if any(k is not None for k in kills) else None,
+            "never": sum(1 for k in kills if k is None),
+        },
+        "not_exiting_0_on_sigterm": [name for name, e in exits.items() if e["code"] != 0],
+        "exits": exits,
+        "processes_left_running": leftovers,
+        "contributed_rounds": {
+            name: sum(1 for r in records.values() if r.get("contributed")) for name, records in per_peer.items()
+        },
+        "faults": recoveries,
+    }
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    after = report["rounds_to_contribute_after_kill"]
+    rows = [
+        ("rounds run", report["rounds"]),
+        ("kills / freezes", f"{report['kills']} / {report['freezes']}"),
+        ("rounds in which peers disagreed (goal 0)", report["rounds_disagreeing"]),
+        ("waits past the longest legitimate wait (goal 0)", report["waits_past_deadline"]),
+        ("longest wait for a round's exchange, s", report["longest_wait_s"]),
+        (
+            "restarted peers contributing again within 2 rounds",
+            f"{report['restarts_contributing_within_2_rounds']} / {report['kills']}",
+        ),
+        ("rounds until a restarted peer contributes (max / mean)", f"{after['max']} / {after['mean']}"),
+        (
+            "peers not exiting 0 within 30 s of SIGTERM (goal none)",
+            ", ".join(report["not_exiting_0_on_sigterm"]) or "none",
+        ),
+        ("processes left running, p2pd included (goal 0)", report["processes_left_running"]),
+        ("wall time, s", report["wall_s"]),
+    ]
+    lines = ["# Kill and freeze soak", "", "| figure | value |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    return "\n".join(lines) + "\n"
