@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test lint bench clean
+.PHONY: venv data demo test test-long lint bench bench-kills clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -22,17 +22,28 @@ demo: venv data
 	$(BIN)/hetero-node demo
 
 test: venv data
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not long" --durations=15
+
+# The slowest scenarios (a `small` model learning, six nodes settling at once, a killed stage being replaced).
+test-long: venv data
+	$(BIN)/python -m pytest -q -m long --durations=15
 
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The default benchmark scenario (needs root: network namespaces): hetero topology, small preset, all five methods,
-# 3 rounds x H = 10; about 17 min on 2 cores, 7.5 of them ddp's (a dense all-reduce of ~15 s per step at 50 Mbit/s).
+# The benchmark scenarios (need root: network namespaces, CPU cgroups). hetero: all five methods on 2 datacenter and
+# 2 edge nodes, 3 rounds x H = 10 (about 15 min on 2 cores, most of it ddp's dense all-reduce at 50 Mbit/s);
+# mixed-speed: the same links with one full replica at a third of the others' speed, rounds overlapped (3 min).
 bench: venv data
 	$(BIN)/hetero-node bench --topology hetero --preset small --rounds 3 --inner-steps 10 \
 		--out bench/results/hetero
+	$(BIN)/hetero-node bench --topology mixed-speed --methods hetero --preset small --rounds 6 --inner-steps 10 \
+		--overlap --out bench/results/mixed-speed
+
+# 20 SIGKILLs (with restarts) and 5 freezes of random peers of a local swarm (no root needed; about 7 min).
+bench-kills: venv data
+	$(BIN)/hetero-node bench-kills --out bench/results/kills
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

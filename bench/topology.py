@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import math
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from hetero_node.bench.netns import NAME
 from hetero_node.protocol.errors import ConfigError

@@ -34,8 +34,8 @@ def run_config(
 
 
 def peer_id(name: str) -> str:
-    """A valid base58 peer id that sorts like `name` (0 is not base58: it becomes z; padded with x)."""
-    return name.replace("0", "z").ljust(32, "x")
+    """A valid base58 peer id made from `name`: characters base58 lacks (0, O, I, l) are replaced, then padded."""
+    return name.translate(str.maketrans("0OIl", "zQJL")).ljust(32, "x")
 
 
 def record_fields(pid: str, **changes: Any) -> dict[str, Any]:

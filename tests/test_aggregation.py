@@ -116,3 +116,26 @@ def test_no_contributions_give_zeros() -> None:
 def test_peer_ids_must_align_with_contributions() -> None:
     with pytest.raises(ValueError, match="peer ids"):
         aggregate(_messages([1.0]), SHAPES, peer_ids=["a", "b"])
+
+
+def test_weights_count_each_contribution_by_its_tokens_at_the_coordinates_it_selected() -> None:
+    lookup = (-2.0, -1.0, 0.0, 4.0)  # equal value multisets: equal norms
+    a = _vector_message([0, 1, 0, 3], [3, 1, 0, 2], lookup)  # positions 0, 1, 4, 7 → 4, -1, -2, 0
+    b = _vector_message([1, 2, 0, 1], [0, 3, 2, 1], lookup)  # positions 1, 2, 4, 5 → -2, 4, 0, -1
+    result = aggregate([a, b], [(8,)], weights=[300.0, 100.0])  # a trained three times the tokens
+    assert result.weights == [1.0, 1 / 3]
+    # a's norm per token is a third of b's: b is clipped to the median norm per token times its weight
+    assert result.clip_factors[0] == pytest.approx(1.0) and result.clip_factors[1] == pytest.approx(1 / 3, rel=1e-6)
+    f = result.clip_factors[1]
+    expected = [4.0, (-1.0 + (-2.0) * f / 3) / (4 / 3), 4.0 * f, 0.0, (-2.0 + 0.0) / (4 / 3), -1.0 * f, 0.0, 0.0]
+    assert result.tensors[0].tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_equal_weights_are_the_reference_rule_bit_for_bit_and_bad_weights_drop_their_message() -> None:
+    messages = _messages([1.0, 2.0, 0.5])
+    plain = aggregate(messages, SHAPES)
+    for weights in ([1.0, 1.0, 1.0], [4096.0, 4096.0, 4096.0]):
+        weighted = aggregate(messages, SHAPES, weights=weights)
+        assert all(torch.equal(p, w) for p, w in zip(plain.tensors, weighted.tensors, strict=True))
+    result = aggregate(messages, SHAPES, weights=[1.0, 0.0, float("nan")], peer_ids=["a", "b", "c"])
+    assert result.used == [0] and [i for i, _ in result.dropped] == [1, 2]

@@ -113,6 +113,7 @@ def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -
             assert records[str(victim.peer_id)].role == "joining" and records[str(victim.peer_id)].memory_gb == 4.0
 
 
+@pytest.mark.long
 def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path: Path) -> None:
     """Two nodes can hold the model, four only a stage: 2 full replicas and 2 complete virtual replicas."""
     memory = ["4", "4", "0.025", "0.025", "0.025", "0.025"]

@@ -29,6 +29,7 @@ def text_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(900)  # ≈45 s on 2 idle cores, but compute-bound: a busy machine stretches it several-fold
+@pytest.mark.long
 def test_small_learns_on_bundled_corpus(bundled_cache_dir: Path) -> None:
     """150 CPU steps must take the byte-level loss far below chance (ln 256)."""
     cfg = TrainConfig(

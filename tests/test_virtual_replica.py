@@ -100,6 +100,7 @@ def round_table(workdir: Path) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.long
 def test_killed_stage_is_replaced_and_the_virtual_replica_contributes_again(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         # a full replica finishes a round seconds before the pipeline on a loaded 2-core CI machine: its groups

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from enum import Enum
+from enum import StrEnum
 from importlib.metadata import version
 from pathlib import Path
 
@@ -49,7 +49,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-class LogLevel(str, Enum):
+class LogLevel(StrEnum):
     DEBUG = "DEBUG"
     INFO = "INFO"
     WARNING = "WARNING"
@@ -140,7 +140,7 @@ def main() -> None:
         sys.exit(1)
 
 
-Role = Enum("Role", {name.upper(): name for name in REQUESTED_ROLES}, type=str)
+Role = StrEnum("Role", {name.upper(): name for name in REQUESTED_ROLES})
 """--role's choices, spelled as the records spell them."""
 
 

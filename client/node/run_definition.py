@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import tomllib
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from hetero_node.client.config import RunOptions
 from hetero_node.client.swarm.runtime import PeerRuntime

@@ -43,8 +43,6 @@ def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
 class FullReplica(Replica):
     """See the module docstring."""
 
-    role_name = ROLE_FULL
-
     def __init__(
         self,
         run: RunConfig,

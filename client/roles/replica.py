@@ -120,8 +120,6 @@ def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
 class Replica(ABC):
     """A replica's life in the swarm (see the module docstring); `run()` blocks until the run ends."""
 
-    role_name: str
-
     def __init__(
         self,
         run: RunConfig,

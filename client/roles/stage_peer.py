@@ -59,8 +59,6 @@ MAX_STEPS_FACTOR = 64
 class StagePeer(Replica):
     """See the module docstring. `run()` returns at the run's end, on a stop signal, or when the slot is lost."""
 
-    role_name = ROLE_STAGE
-
     def __init__(
         self,
         run: RunConfig,

@@ -1,0 +1,73 @@
+"""Time-boxed rounds, in process: the round length, the deadline replicas agree on, and how many steps fit."""
+
+from __future__ import annotations
+
+import pytest
+from factories import peer_id, peer_record
+
+from hetero_node.client.roles.schedule import RoundClock
+from hetero_node.protocol.roles import ROLE_FULL
+from hetero_node.protocol.run_config import OuterConfig
+
+ME = peer_id("me")
+
+
+def clock(cadence: bool = False, **outer: object) -> RoundClock:
+    return RoundClock(OuterConfig(inner_steps=10, **outer), matchmaking_s=2.0, straggler_fraction=0.5, cadence=cadence)
+
+
+def replica(name: str, round_: int = 4, train_round: int = 4, deadline: float = 0.0, step_s: float = 0.0):
+    return peer_id(name), peer_record(
+        name, role=ROLE_FULL, round=round_, train_round=train_round, deadline=deadline, step_s=step_s
+    )
+
+
+def test_a_round_lasts_h_steps_of_the_fastest_replica_or_round_s() -> None:
+    records = dict([replica("fast", step_s=0.5), replica("slow", step_s=1.5)])
+    assert clock().round_length(records) == pytest.approx(5.0)  # H = 10 steps of the fastest
+    assert clock(round_s=7.0).round_length(records) == 7.0
+    assert clock().round_length({}) is None  # nobody measured yet: an untimed round of H steps
+    mine = clock()
+    mine.record_speed(steps=4, compute_s=1.0)
+    assert mine.round_length(records) == pytest.approx(2.5)  # we are the fastest
+
+
+def test_replicas_adopt_the_earliest_deadline_announced_for_the_round() -> None:
+    records = dict([replica("a", deadline=1005.0, step_s=0.5), replica("b", deadline=1003.0, step_s=0.5),
+                    replica("c", round_=5, train_round=5, deadline=900.0)])  # fmt: skip
+    plan = clock().plan(4, records, ME, now=1000.0)
+    assert plan.deadline == 1003.0 and plan.length_s == pytest.approx(5.0)  # c's deadline is another round's
+    assert clock().plan(4, {}, ME, now=1000.0).deadline is None
+    earlier = {**records, **dict([replica("d", deadline=1001.5, step_s=0.5)])}
+    assert clock().refresh(plan, earlier, ME).deadline == 1001.5
+
+
+def test_overlapped_rounds_follow_a_fixed_cadence() -> None:
+    records = dict([replica("a", train_round=-1, step_s=0.5)])
+    steady = clock(cadence=True)
+    first = steady.plan(4, records, ME, now=1000.0)
+    second = steady.plan(5, records, ME, now=1006.0)  # started a second late: the cadence holds
+    assert first.deadline == pytest.approx(1005.0) and second.deadline == pytest.approx(1010.0)
+    plain = clock()
+    plain.plan(4, records, ME, now=1000.0)
+    assert plain.plan(5, records, ME, now=1006.0).deadline == pytest.approx(1011.0)  # start + L
+
+
+def test_steps_fit_between_the_minimum_and_the_deadline() -> None:
+    mine = clock(min_inner_steps=2, max_inner_steps=0)
+    mine.record_speed(steps=1, compute_s=1.0)
+    records = dict([replica("a", deadline=1004.5, step_s=1.0)])
+    plan = mine.plan(4, records, ME, now=1000.0)
+    assert not plan.sit_out
+    assert plan.keep_training(0, 1004.0, 1.0) and plan.keep_training(1, 1004.0, 1.0)  # the minimum, whatever the time
+    assert plan.keep_training(2, 1003.0, 1.0) and not plan.keep_training(2, 1003.6, 1.0)
+    capped = clock(min_inner_steps=3, max_inner_steps=3).plan(4, records, ME, now=1000.0)
+    assert not capped.keep_training(3, 1000.0, 0.1)
+    late = mine.plan(4, records, ME, now=1010.0)  # the minimum no longer fits before deadline + grace
+    assert late.sit_out and late.grace_s == pytest.approx(max(2.0, 0.5 * late.length_s, 1.5))
+
+
+def test_the_grace_covers_the_slowest_replica_coming_to_the_round() -> None:
+    records = dict([replica("a", step_s=0.5), replica("slow", step_s=4.0), replica("gone", train_round=-1, step_s=9.0)])
+    plan = clock().plan(4, records, ME, now=1000.0)
+    assert plan.grace_s == pytest.approx(6.0)  # 1.5 steps of "slow"; "gone" only receives and is not waited for
