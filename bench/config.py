@@ -126,3 +126,28 @@ class KillSoakConfig:
         require_positive(self, "freeze_s", "interval_s", "round_s", "settle_rounds")
         if min(self.kills, self.freezes, self.full, self.virtual) < 0 or self.full + self.virtual < 2:
             raise ConfigError("--kills, --freezes, --full and --virtual must not be negative; two replicas at least")
+
+
+ROUND_MODES = ("synchronous", "time-boxed", "overlap")
+
+
+@dataclass(frozen=True)
+class RoundModesConfig:
+    """Which round modes to compare, on what swarm, how many seeds each; defaults take about 15 minutes."""
+
+    modes: str = field(default=",".join(ROUND_MODES), metadata={"help": f"Modes: {', '.join(ROUND_MODES)}."})
+    seeds: int = field(default=3, metadata={"help": "Runs per mode (seeds 0..N-1 of weights and data order)."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset."})
+    full: int = field(default=3, metadata={"help": "Full replicas."})
+    rounds: int = field(default=8, metadata={"help": "Outer rounds per run."})
+    inner_steps: int = field(default=30, metadata={"help": "H."})
+    out: Path = field(default=Path("bench/results/round-modes"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "seeds", "full", "rounds", "inner_steps")
+        if not self.mode_list or any(m not in ROUND_MODES for m in self.mode_list):
+            raise ConfigError(f"--modes {self.modes!r}: choose from {', '.join(ROUND_MODES)}")
+
+    @property
+    def mode_list(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.modes.split(",") if m.strip())

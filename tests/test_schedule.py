@@ -34,9 +34,9 @@ def test_a_round_lasts_h_steps_of_the_fastest_replica_or_round_s() -> None:
 
 def test_replicas_adopt_the_earliest_deadline_announced_for_the_round() -> None:
     records = dict([replica("a", deadline=1005.0, step_s=0.5), replica("b", deadline=1003.0, step_s=0.5),
-                    replica("c", round_=5, train_round=5, deadline=900.0)])  # fmt: skip
+                    replica("c", round_=5, train_round=5, deadline=1010.0)])  # fmt: skip
     plan = clock().plan(4, records, ME, now=1000.0)
-    assert plan.deadline == 1003.0 and plan.length_s == pytest.approx(5.0)  # c's deadline is another round's
+    assert plan.deadline == 1003.0 and plan.length_s == pytest.approx(5.0)  # c's round 5 implies 1005 for round 4
     assert clock().plan(4, {}, ME, now=1000.0).deadline is None
     earlier = {**records, **dict([replica("d", deadline=1001.5, step_s=0.5)])}
     assert clock().refresh(plan, earlier, ME).deadline == 1001.5
@@ -71,3 +71,12 @@ def test_the_grace_covers_the_slowest_replica_coming_to_the_round() -> None:
     records = dict([replica("a", step_s=0.5), replica("slow", step_s=4.0), replica("gone", train_round=-1, step_s=9.0)])
     plan = clock().plan(4, records, ME, now=1000.0)
     assert plan.grace_s == pytest.approx(6.0)  # 1.5 steps of "slow"; "gone" only receives and is not waited for
+
+
+def test_a_replica_behind_learns_its_round_is_over_from_replicas_training_a_later_one() -> None:
+    mine = clock()
+    mine.record_speed(steps=1, compute_s=0.5)
+    records = dict([replica("a", round_=5, train_round=6, deadline=1003.0, step_s=0.5)])  # L = 5 s
+    plan = mine.plan(4, records, ME, now=1000.0)
+    assert plan.deadline == pytest.approx(993.0)  # round 4 ended two round lengths before round 6's deadline
+    assert plan.sit_out  # 1 step of 0.5 s no longer fits before 993 + the grace

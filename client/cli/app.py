@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from hetero_node.bench.config import BenchConfig, DDPWorkerConfig, KillSoakConfig
+from hetero_node.bench.config import BenchConfig, DDPWorkerConfig, KillSoakConfig, RoundModesConfig
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
@@ -299,6 +299,17 @@ def bench_kills(cfg: KillSoakConfig) -> None:
 
     with Progress(console=err_console) as progress:
         report = run_kill_soak(cfg, progress)
+    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("bench-rounds")
+@expand_dataclass_options
+def bench_rounds(cfg: RoundModesConfig) -> None:
+    """Compare synchronous, time-boxed and overlapped rounds at equal trained tokens (local demo swarms, seeds)."""
+    from hetero_node.bench.round_modes import render_markdown, run_round_modes
+
+    with err_console.status("running the round modes (one local swarm per mode and seed)"):
+        report = run_round_modes(cfg)
     console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
 
 

@@ -61,7 +61,7 @@ class FullReplica(Replica):
             self.basis = subspace_basis(model_cfg.d_model, run.pipeline.rank(model_cfg.d_model), run.seed)
             enable_subspace(self.model, self.basis.to(self.device))
         names = shard_parameter_names(model_cfg, run.outer.stages)
-        self._params = {s: shard_tensors(self.model, shard_names) for s, shard_names in enumerate(names)}
+        self.params = {s: shard_tensors(self.model, shard_names) for s, shard_names in enumerate(names)}
         self._trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, self.device)
         self.replica_id = replica_number(node, runtime)
         self.batches = ShardBatches(
@@ -70,10 +70,6 @@ class FullReplica(Replica):
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
         self.eval_s = 0.0
         """How long the last evaluation took (0: none yet)."""
-
-    @property
-    def params(self) -> dict[int, list[Tensor]]:
-        return self._params
 
     @property
     def fixed_table(self) -> Tensor | None:

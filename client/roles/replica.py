@@ -135,6 +135,8 @@ class Replica(ABC):
         self.overlap = overlap
         self.round = 0
         self.clock = RoundClock(run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap)
+        self.params: dict[int, list[Tensor]] = {}
+        """The live parameter tensors of every shard this replica holds (the role fills it in)."""
         self.syncs: dict[int, ShardSync] = {}
         self.start: dict[int, list[Tensor]] = {}
         self._fingerprints: dict[str, str] = {}
@@ -144,11 +146,6 @@ class Replica(ABC):
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
 
     # ------------------------------------------------------------------------------------------- role hooks
-
-    @property
-    @abstractmethod
-    def params(self) -> dict[int, list[Tensor]]:
-        """The live parameter tensors of every shard this replica holds."""
 
     @property
     @abstractmethod
@@ -517,6 +514,7 @@ class Replica(ABC):
         waited = time.perf_counter()
         outcomes = {s: future.result() for s, future in flight.futures.items()}
         flight.wait_s += time.perf_counter() - waited
+        progress = self.local_progress(flight)  # before anything writes θ(t+1) or a state into the parameters
         settled = Settled(outcomes)
         if self.stop.is_set():  # leaving: the checkpoint keeps θ(t) and the error feedback as they were
             for shard, pending in flight.pendings.items():
@@ -534,11 +532,12 @@ class Replica(ABC):
                     outcomes[shard].contributed = True  # the group used our message though we missed its end
             if how in ("state", "failed"):  # a whole state replaced ours, or we stay in round t for catch-up
                 self.drop_unused(flight, outcomes)
-                self.rebase(flight)
+                if how == "state":
+                    self.rebase(progress)
                 self.record_round(flight.round, flight, None, settled)
                 return
         self.drop_unused(flight, outcomes)
-        eval_loss = self.apply(new, flight.round + 1, flight)
+        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress)
         self.record_round(flight.round, flight, eval_loss, settled)
 
     def drop_unused(self, flight: InFlight, outcomes: dict[int, ShardOutcome]) -> None:
@@ -583,9 +582,10 @@ class Replica(ABC):
         new_round: int,
         flight: InFlight | None = None,
         caught_up: tuple[str, int] | None = None,
+        progress: dict[int, list[Tensor]] | None = None,
     ) -> float | None:
         """Make θ(t+1) ours: parameters, subspace upkeep, start point, record, served state; eval and checkpoint
-        it; then put back the local progress made since the deadline (overlap). Returns the eval loss.
+        it; then put back `progress`, the local progress made since the deadline (overlap). Returns the eval loss.
 
         A round rebuilt while catching up (`caught_up`: how, and the bytes it cost) is recorded here, and not
         evaluated: the other stages of a virtual replica are not in an eval pass then."""
@@ -593,7 +593,7 @@ class Replica(ABC):
             self.set_params(shard, tensors)
         if not self.upkeep(new_round):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
-            self.rebase(flight)
+            self.rebase(progress)
             return None
         self.adopt_start()
         self.round = new_round
@@ -602,7 +602,7 @@ class Replica(ABC):
         trained = flight is not None and flight.trained is not None
         eval_loss = self.evaluate(new_round - 1, trained) if caught_up is None else None
         self.checkpoint()
-        self.rebase(flight)
+        self.rebase(progress)
         if caught_up is not None:
             self.record_round(
                 new_round - 1, None, eval_loss, Settled(caught_up=caught_up[0], catch_up_bytes=caught_up[1])
@@ -610,17 +610,22 @@ class Replica(ABC):
         return eval_loss
 
     @torch.no_grad()
-    def rebase(self, flight: InFlight | None) -> None:
-        """Keep the local progress δ made since the round's deadline on top of the new θ (overlap only)."""
-        if flight is None or flight.cutoff is None:
-            return
-        for shard, tensors in self.params.items():
-            cutoff = flight.cutoff.get(shard)
-            if cutoff is None:
-                continue
-            for param, start, mark in zip(tensors, self.start[shard], cutoff, strict=True):
-                delta = param - mark  # computed before param is overwritten
-                param.copy_(start).add_(delta)
+    @torch.no_grad()
+    def local_progress(self, flight: InFlight) -> dict[int, list[Tensor]] | None:
+        """δ = W − W(t): what training did since the round's deadline (overlap only; None: nothing trained)."""
+        if flight.cutoff is None:
+            return None
+        return {
+            shard: [p.detach() - mark for p, mark in zip(self.params[shard], cutoff, strict=True)]
+            for shard, cutoff in flight.cutoff.items()
+        }
+
+    @torch.no_grad()
+    def rebase(self, progress: dict[int, list[Tensor]] | None) -> None:
+        """Put the local progress made since the round's deadline back on top of the new θ (overlap only)."""
+        for shard, deltas in (progress or {}).items():
+            for param, delta in zip(self.params[shard], deltas, strict=True):
+                param.add_(delta)
 
     def _bytes_sent_since_last_record(self) -> int:
         """Blob bytes we served since the previous round's record: our messages as the others fetched them (at

@@ -109,7 +109,7 @@ class RoundClock:
             on_schedule = self.cadence and self._last is not None and self._last[0] == round_ - 1
             proposal = self._last[1] + length if on_schedule else now + length
             deadline = max(proposal, now + MIN_ROUND_FRACTION * length)
-            deadline = self.earliest(round_, records, me, deadline)
+            deadline = self.earliest(round_, records, me, deadline, length)
         grace = self.grace(records, round_, length)
         min_steps, max_steps = self.outer.min_inner_steps, self.outer.max_inner_steps
         sit_out = deadline is not None and self.step_s > 0 and now + min_steps * self.step_s > deadline + grace
@@ -119,16 +119,27 @@ class RoundClock:
             round_, deadline, length, grace, min_steps, max_steps, self.outer.inner_steps, sit_out
         )  # fmt: skip
 
-    def earliest(self, round_: int, records: dict[str, PeerRecord], me: str, deadline: float) -> float:
-        """The earliest deadline of `round_` among ours and the ones others training it announce."""
+    def earliest(
+        self, round_: int, records: dict[str, PeerRecord], me: str, deadline: float, length: float | None
+    ) -> float:
+        """The earliest deadline of `round_` among ours, the ones others training it announce, and the ones implied
+        by others already training a later round r (their deadline minus r − round_ round lengths): a replica
+        that fell behind learns that its round is over, sits it out and catches up, instead of training a round
+        whose group has formed."""
         announced = [r.deadline for pid, r in records.items() if pid != me and r.train_round == round_ and r.deadline]
+        if length:
+            announced += [
+                r.deadline - (r.train_round - round_) * length
+                for pid, r in records.items()
+                if pid != me and r.train_round > round_ and r.deadline
+            ]
         return min([deadline, *announced])
 
     def refresh(self, plan: RoundPlan, records: dict[str, PeerRecord], me: str) -> RoundPlan:
         """Adopt an earlier deadline another replica of the round announced since we planned."""
         if plan.deadline is None:
             return plan
-        earliest = self.earliest(plan.round, records, me, plan.deadline)
+        earliest = self.earliest(plan.round, records, me, plan.deadline, plan.length_s)
         if earliest < plan.deadline:
             self._last = (plan.round, earliest)
             return plan.with_deadline(earliest)

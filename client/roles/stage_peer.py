@@ -73,7 +73,7 @@ class StagePeer(Replica):
         self.stage = PipelineStage(run, self.index, resolve_device(node.device))
         cfg = get_preset(run.preset, vocab_size=run.vocab_size)
         names = shard_parameter_names(cfg, run.outer.stages)[self.index]
-        self._params = {self.index: shard_tensors(self.stage.module, names)}
+        self.params = {self.index: shard_tensors(self.stage.module, names)}
         sizes = microbatch_sizes(run.batch_size, run.pipeline.microbatches)
         max_steps = run.outer.max_inner_steps or MAX_STEPS_FACTOR * run.outer.inner_steps
         self.inbox = StageInbox(self.stage.fmt, max_steps, sizes, run.seq_len, run.batch_size)
@@ -88,10 +88,6 @@ class StagePeer(Replica):
                 store, self.replica_id % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
             )
             self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
-
-    @property
-    def params(self) -> dict[int, list[Tensor]]:
-        return self._params
 
     @property
     def fixed_table(self) -> Tensor | None:
@@ -114,7 +110,7 @@ class StagePeer(Replica):
             "role": ROLE_STAGE,
             "stage": self.index,
             "vr": self.vr,
-            "n_params": sum(p.numel() for p in self._params[self.index]),
+            "n_params": sum(p.numel() for p in self.params[self.index]),
         }
 
     def donors(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
@@ -149,13 +145,13 @@ class StagePeer(Replica):
 
     def deltas(self, shard: int) -> list[Tensor]:
         """Δ from the projected start the pipeline trained from; the update applies to θ(t) itself."""
-        return [s - p.detach() for s, p in zip(self.train_start, self._params[shard], strict=True)]
+        return [s - p.detach() for s, p in zip(self.train_start, self.params[shard], strict=True)]
 
     def train(self, plan: RoundPlan) -> Trained | None:
         t, H = plan.round, self.run_cfg.outer.inner_steps
         if self.run_cfg.pipeline.project_start:
             self.stage.project()
-        self.train_start = [p.detach().clone() for p in self._params[self.index]]
+        self.train_start = [p.detach().clone() for p in self.params[self.index]]
         if not self.wait_for_pipeline(plan):
             return None
         self.schedule.lr = (t * H, H)
