@@ -120,6 +120,9 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
     text = console.export_text()
     assert peer["peer_id"] not in text and "36YMKx4Z" in text and "RTX 3060" in text and "48/95" in text
     assert "missing stages" in text and "│ 0  " in text and "see the same plan: yes" in text
+    marked = {**snapshot, "peers": [{**peer, "gpus": [{"name": "[/bold]", "memory_gb": 1.0}]}]}
+    console.print(render(marked))  # a peer's GPU name is text, never markup (it once crashed the view)
+    assert "[/bold]" in console.export_text()
 
 
 def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from hetero_node.client.node.run_definition import fetch_run_announcement
@@ -61,7 +62,7 @@ def _peer_table(snapshot: dict[str, Any]) -> Table:
                    "seen"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("peer", "role", "gpu") else "right")
     for p in snapshot["peers"]:
-        gpu = p["gpus"][0]["name"] if p["gpus"] else f"cpu ×{p['cpu_cores']}"
+        gpu = escape(p["gpus"][0]["name"]) if p["gpus"] else f"cpu ×{p['cpu_cores']}"  # a peer's text, not markup
         table.add_row(
             p["peer_id"][-8:], p["role"], str(p["vr"]) if p["vr"] >= 0 else "", str(p["stage"]) if p["stage"] >= 0
             else "", gpu, f"{p['memory_gb']:.2f}", f"{p['upload_mbps']:,.0f}/{p['download_mbps']:,.0f}",

@@ -240,8 +240,7 @@ class Replica(ABC):
         if state is None:
             return
         if state.get("slot", self.slot()) != self.slot():
-            logger.warning("the checkpoint holds shards %s, this node now holds %s; not resuming it", state["slot"],
-                           self.slot())  # fmt: skip
+            logger.warning("the checkpoint is of %s, this node holds %s; not resuming it", state["slot"], self.slot())
             return
         self.module.load_state_dict(state["model"])
         self.trainer.load_state_dict(state["trainer"])
