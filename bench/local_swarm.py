@@ -20,6 +20,10 @@ from hetero_node.bootstrap.join_line import JOIN_LINE
 from hetero_node.protocol.errors import HeteroNodeError
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class LocalSwarm:
     """A set of local peer processes with logs under `workdir`; use as a context manager."""
 
@@ -35,10 +39,21 @@ class LocalSwarm:
         }
 
     def __enter__(self) -> LocalSwarm:
+        """While the swarm runs, SIGTERM to this process ends it through `__exit__` (stopping every peer) instead
+        of leaving the peers running; SIGINT too when it arrives ignored (background jobs inherit it so)."""
+        self._previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        if self._previous[signal.SIGTERM] == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_signal)
+        if self._previous[signal.SIGINT] == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop_all()
+        try:
+            self.stop_all()
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"

@@ -28,7 +28,7 @@ def test_a_round_lasts_h_steps_of_the_fastest_replica_or_round_s() -> None:
     assert clock(round_s=7.0).round_length(records) == 7.0
     assert clock().round_length({}) is None  # nobody measured yet: an untimed round of H steps
     mine = clock()
-    mine.record_speed(steps=4, compute_s=1.0)
+    mine.record_speed(steps=4, seconds=1.0)
     assert mine.round_length(records) == pytest.approx(2.5)  # we are the fastest
 
 
@@ -55,7 +55,7 @@ def test_overlapped_rounds_follow_a_fixed_cadence() -> None:
 
 def test_steps_fit_between_the_minimum_and_the_deadline() -> None:
     mine = clock(min_inner_steps=2, max_inner_steps=0)
-    mine.record_speed(steps=1, compute_s=1.0)
+    mine.record_speed(steps=1, seconds=1.0)
     records = dict([replica("a", deadline=1004.5, step_s=1.0)])
     plan = mine.plan(4, records, ME, now=1000.0)
     assert not plan.sit_out
@@ -75,7 +75,7 @@ def test_the_grace_covers_the_slowest_replica_coming_to_the_round() -> None:
 
 def test_a_replica_behind_learns_its_round_is_over_from_replicas_training_a_later_one() -> None:
     mine = clock()
-    mine.record_speed(steps=1, compute_s=0.5)
+    mine.record_speed(steps=1, seconds=0.5)
     records = dict([replica("a", round_=5, train_round=6, deadline=1003.0, step_s=0.5)])  # L = 5 s
     plan = mine.plan(4, records, ME, now=1000.0)
     assert plan.deadline == pytest.approx(993.0)  # round 4 ended two round lengths before round 6's deadline

@@ -106,7 +106,7 @@ class FullReplica(Replica):
             return None
         t, H = plan.round, self.run_cfg.outer.inner_steps
         losses: list[float] = []
-        compute_s, last_check = 0.0, [time.monotonic()]
+        compute_s, started, last_check = 0.0, time.perf_counter(), [time.monotonic()]
         while plan.keep_training(len(losses), get_dht_time(), self.clock.step_s):
             if self.stop.is_set():
                 return None
@@ -128,7 +128,7 @@ class FullReplica(Replica):
             loss=loss if loss is not None and math.isfinite(loss) else None,
             tokens_per_s=round(tokens / max(compute_s, 1e-9), 1),
         )
-        return Trained(len(losses), tokens, loss, compute_s)
+        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started)
 
     def upkeep(self, new_round: int) -> bool:
         """After our own outer step: move the embedding's drift into T_fixed, as every peer of the run does."""

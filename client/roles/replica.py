@@ -66,6 +66,9 @@ class Trained:
     loss: float | None
     """Mean training loss (None where the loss is computed elsewhere: pipeline stages before the last)."""
     compute_s: float
+    """Time in inner steps."""
+    window_s: float
+    """Wall time of the training loop, what happens between steps included: the round length a step costs."""
 
 
 @dataclass
@@ -464,7 +467,7 @@ class Replica(ABC):
             self.announce(train_round=-1, deadline=0.0)
             self.in_flight = InFlight(plan, None, {}, {}, None)
             return
-        self.clock.record_speed(trained.steps, trained.compute_s)
+        self.clock.record_speed(trained.steps, trained.window_s)
         self.announce(step_s=round(self.clock.step_s, 4))  # the group's grace (1.5 of our steps) reads it now
         records = self.records()
         fps = self.fingerprints()

@@ -2,8 +2,9 @@
 
 A round is a window of wall time (DHT time), the same for every replica: each trains as many inner steps as fit
 before the round's deadline, so a slow machine trains fewer steps instead of making the others wait or missing
-the round. Its length L is `--round-s`, or H inner steps at the fastest replica's measured step time (each record
-advertises `step_s`), so the fastest replica trains about H steps and a replica three times slower about H/3.
+the round. Its length L is `--round-s`, or H inner steps at the fastest replica's measured time per step (each
+record advertises `step_s`, the training loop's wall time per step), so the fastest replica trains about H steps
+and a replica three times slower about H/3.
 
 Agreement without a coordinator: a replica proposes deadline(t) = now + L when it starts round t (under
 `--overlap`, where training never pauses for the exchange, deadline(t−1) + L: a fixed cadence), announces it in
@@ -80,10 +81,12 @@ class RoundClock:
         self._last: tuple[int, float] | None = None
         """(round, deadline) of the last round this replica planned."""
 
-    def record_speed(self, steps: int, compute_s: float) -> None:
-        """Fold a round's measured step time into the estimate."""
-        if steps > 0 and compute_s > 0:
-            measured = compute_s / steps
+    def record_speed(self, steps: int, seconds: float) -> None:
+        """Fold a round's measured time per step into the estimate: the training loop's wall time per step, so
+        what happens between steps (an overlapped round's settling, deadline checks) counts too, and a round of
+        H steps at the fastest replica's pace leaves that replica about H steps."""
+        if steps > 0 and seconds > 0:
+            measured = seconds / steps
             self.step_s = measured if self.step_s <= 0 else (1 - STEP_EMA) * self.step_s + STEP_EMA * measured
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:

@@ -174,7 +174,7 @@ class StagePeer(Replica):
         if loss is not None:
             self.announce(train_round=t, loss=loss if math.isfinite(loss) else None)
         tokens = steps * self.run_cfg.batch_size * self.run_cfg.seq_len
-        return Trained(steps, tokens, loss, compute_s)
+        return Trained(steps, tokens, loss, compute_s, compute_s)  # a stage's compute is the pipeline's wall time
 
     def _more(self, plan: RoundPlan) -> Any:
         """Stage 0's step decision: the plan's, with the deadline refreshed between steps."""
