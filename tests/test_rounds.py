@@ -74,10 +74,10 @@ def reference_update(record: dict[str, Any]) -> tuple[list[torch.Tensor], list[t
 
 def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replicas_agree(tmp_path: Path) -> None:
     recordings = tmp_path / "recorded"
-    rounds = 6
+    rounds = 5
     with LocalSwarm(tmp_path) as swarm, slow_machine() as (slow_hook, slow_options):
-        # 5 s rounds: longer than a group's grace period (3 s matchmaking here), as real rounds are
-        peers = swarm.start_bootstrap(run_args(rounds, inner_steps=12, round_s="5", overlap=True))
+        # 4 s rounds: longer than a group's grace period (3 s matchmaking here), as real rounds are
+        peers = swarm.start_bootstrap(run_args(rounds, inner_steps=12, round_s="4", overlap=True))
         for i in range(3):
             args = join_args(peers, i, tmp_path, min_peers="3", **(slow_options if i == 2 else {}))
             hook = slow_hook if i == 2 else None
@@ -128,7 +128,7 @@ def group_is_gone(pgid: int, timeout: float = 15.0) -> bool:
 
 def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_messages(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
-        peers = swarm.start_bootstrap(run_args(8, inner_steps=8, round_s="4"))  # fixed 4 s rounds
+        peers = swarm.start_bootstrap(run_args(7, inner_steps=8, round_s="3"))  # fixed 3 s rounds
         for i in range(2):
             swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))
         wait_for_round(tmp_path, 1, 1)
@@ -153,5 +153,5 @@ def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_m
     for record in caught:  # a round's messages, not the model: far below the state's bytes
         assert 0 < record["catch_up_bytes"] < state_bytes / 10, (record["catch_up_bytes"], state_bytes)
     assert not any(r1[t]["caught_up"] == "state" for t in r1 if t not in before)
-    assert r0[7]["fingerprints"] == r1[7]["fingerprints"]
-    assert r1[7]["contributed"]
+    assert r0[6]["fingerprints"] == r1[6]["fingerprints"]
+    assert r1[6]["contributed"]
