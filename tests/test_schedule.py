@@ -32,6 +32,16 @@ def test_a_round_lasts_h_steps_of_the_fastest_replica_or_round_s() -> None:
     assert mine.round_length(records) == pytest.approx(2.5)  # we are the fastest
 
 
+def test_synchronous_rounds_have_no_deadline_so_a_late_replica_still_trains_its_steps() -> None:
+    synchronous = clock(min_inner_steps=10, max_inner_steps=10)
+    synchronous.record_speed(steps=10, seconds=10.0)
+    records = dict([replica("early", deadline=1001.0, step_s=0.1)])  # another replica's deadline is long past
+    plan = synchronous.plan(4, records, ME, now=1010.0)
+    assert plan.deadline is None and not plan.sit_out and plan.min_steps == plan.max_steps == 10
+    timed = clock(min_inner_steps=10, max_inner_steps=10, round_s=5.0).plan(4, records, ME, now=1000.0)
+    assert timed.deadline == 1001.0  # --round-s asks for a time box even then
+
+
 def test_replicas_adopt_the_earliest_deadline_announced_for_the_round() -> None:
     records = dict([replica("a", deadline=1005.0, step_s=0.5), replica("b", deadline=1003.0, step_s=0.5),
                     replica("c", round_=5, train_round=5, deadline=1010.0)])  # fmt: skip

@@ -16,7 +16,8 @@ barrier of `outer/shard_sync.py`).
 Steps: at least `min_inner_steps` (a replica that cannot fit them before the deadline and its grace sits the round
 out: it receives the round's result, its error feedback untouched), at most `max_inner_steps` (0: no cap);
 between them a replica starts another step only if it expects to finish it by the deadline. Until any step time
-is known (a swarm's very first round without a throughput figure) a round is H steps long.
+is known (a swarm's very first round without a throughput figure), and always when `min_inner_steps` ≥ H
+(synchronous rounds, unless `--round-s` is given), a round has no deadline: it is H steps long.
 """
 
 from __future__ import annotations
@@ -90,9 +91,13 @@ class RoundClock:
             self.step_s = measured if self.step_s <= 0 else (1 - STEP_EMA) * self.step_s + STEP_EMA * measured
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
-        """L: --round-s, or H steps at the fastest replica's step time (None while no step time is known)."""
+        """L: --round-s, or H steps at the fastest replica's step time (None while no step time is known, and
+        for synchronous rounds: with --min-inner-steps ≥ H every replica trains its steps whatever the clock says,
+        and a deadline could only make a late one sit the round out)."""
         if self.outer.round_s > 0:
             return self.outer.round_s
+        if self.outer.min_inner_steps >= self.outer.inner_steps:
+            return None
         known = [r.step_s for r in records.values() if r.step_s > 0]
         if self.step_s > 0:
             known.append(self.step_s)
