@@ -16,7 +16,7 @@ class BootstrapConfig:
     port: int = field(default=31337, metadata={"help": "Fixed TCP port, so the multiaddr survives restarts."})
     identity: Path = field(
         default=Path("bootstrap.id"),
-        metadata={"help": "Private key file (created if missing): fixes the peer id; <file>.rsa signs the run."},
+        metadata={"help": "Private key file (created if missing): fixes the peer id; the same key signs the run."},
     )
     announce: str | None = field(
         default=None, metadata={"help": "Public IP or hostname to advertise (behind NAT or in Docker)."}

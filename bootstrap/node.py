@@ -1,7 +1,7 @@
 """A bootstrap node: a DHT peer with a stable identity and port that everyone else joins through.
 
 It trains nothing. Its jobs: be reachable at the same multiaddr across restarts (identity file + fixed port);
-publish the run definition, signed with its RSA key, so a joiner needs nothing but the join line; tell a
+publish the run definition, signed with its identity's RSA key, so a joiner needs nothing but the join line; tell a
 joiner which key that is (over the authenticated libp2p connection); answer bandwidth probes; keep its routing
 table and its announcement fresh. It validates the run's peer records like every peer, so a forged or
 malformed record is not even stored here.
@@ -18,12 +18,13 @@ from typing import Any
 
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.protocol.errors import PeerAddressError
+from hetero_node.protocol.frames import bound_hivemind_frames
+from hetero_node.protocol.identity import create_identity, load_identity
 from hetero_node.protocol.keys import RUN_KEY_HANDLER, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import RunAnnouncement, base_validators, run_validators
 from hetero_node.protocol.run_config import RunConfig
-from hetero_node.protocol.signing import load_or_create_signing_key, signing_key_path
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -41,14 +42,18 @@ class BootstrapNode:
         if cfg.announce:
             proto = "ip6" if ":" in cfg.announce else ("ip4" if cfg.announce.replace(".", "").isdigit() else "dns4")
             announce = [f"/{proto}/{cfg.announce}/tcp/{cfg.port}"]
-        cfg.identity.parent.mkdir(parents=True, exist_ok=True)
-        self.signer = RSASignatureValidator(load_or_create_signing_key(signing_key_path(cfg.identity)))
+        fresh = not cfg.identity.exists()
+        if fresh:
+            create_identity(cfg.identity)
+        self.signer = RSASignatureValidator(load_identity(cfg.identity))  # its peer id's key signs the run
+        bound_hivemind_frames()
         multiprocessing.set_start_method("fork", force=True)  # hivemind's DHT process only works when forked
         try:
             self.dht = hivemind.DHT(
                 host_maddrs=[f"/ip4/{cfg.host}/tcp/{cfg.port}"],
                 announce_maddrs=announce,
                 identity_path=str(cfg.identity),
+                check_if_identity_free=not fresh,
                 record_validators=[*base_validators(self.signer), *run_validators(run.run_id)],
                 start=True,
             )

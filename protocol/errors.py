@@ -35,3 +35,7 @@ class CheckpointError(HeteroNodeError):
 
 class PeerAddressError(HeteroNodeError):
     """A peer multiaddr is malformed or the peers behind it cannot be reached."""
+
+
+class DaemonError(HeteroNodeError):
+    """This node's own p2p daemon died: it cannot reach the swarm until it is restarted."""

@@ -93,13 +93,16 @@ def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -
             victim.announce(PeerRecord(**valid_record(victim)), refresh_s=2.0)
             wait_for(lambda: str(victim.peer_id) in (reader.read_records() or {}), 30, "the honest record")
 
-            def store(subkey: bytes, value: dict[str, Any]) -> bool:
+            def store(subkey: bytes, value: dict[str, Any], lifetime_s: float = 30.0) -> bool:
                 from hivemind.utils import get_dht_time
 
-                return writer.dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + 30)
+                return writer.dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + lifetime_s)
 
             # another node's subkey: unsigned by its key, so every validating node refuses it
             assert not store(victim.signer.local_public_key, valid_record(victim, role="full", memory_gb=999.0))
+            # our own key claiming the victim's peer id, outliving its record: the DHT stores it (the signature is
+            # ours and valid), but no reader believes it, since the key that signed it is not the victim's
+            assert store(writer.signer.local_public_key, valid_record(victim, role="full", memory_gb=999.0), 1e6)
             # our own subkey, but values the schema forbids
             bad_values = [
                 {"upload_mbps": -5.0}, {"gpus": [{"name": "gpu", "memory_gb": 80.0}] * 100}, {"memory_gb": 1e9},

@@ -1,8 +1,10 @@
-"""Single-process tests of the node's pieces: run identity, group agreement rule, checkpoints, peer addresses."""
+"""Single-process tests of the node's pieces: run identity, record identity, group agreement rule, checkpoints, peer
+addresses."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -10,17 +12,44 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import run_config
+from factories import record_fields, run_config
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
 
 from hetero_node.client.cli.demo import DemoConfig, summarize
 from hetero_node.client.node.join import role_for_run
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
+from hetero_node.client.swarm.runtime import MAX_RECORD_LIFETIME_S, latest_valid_records, parse_peer_multiaddrs
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
+from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
+
+
+def test_a_record_counts_only_when_signed_by_the_key_of_the_peer_id_it_claims(tmp_path: Path) -> None:
+    paths = [tmp_path / "a.id", tmp_path / "b.id"]
+    for path in paths:
+        create_identity(path)
+    sub_a, sub_b = (RSASignatureValidator(load_identity(path)).local_public_key for path in paths)
+    id_a = PeerID.from_identity(paths[0].read_bytes()).to_base58()  # what p2pd makes of the same file
+    assert owner_peer_id(sub_a) == id_a and owner_peer_id(sub_b) not in (None, id_a)
+    assert owner_peer_id(b"[owner:ssh-rsa AAAA]") is None and owner_peer_id("[owner:x]") is None
+
+    now = 1000.0
+    forged = record_fields(id_a, role="full", memory_gb=999.0)
+    records = latest_valid_records({sub_a: (record_fields(id_a), now + 10), sub_b: (forged, now + 1e9)}, now)
+    assert set(records) == {id_a} and records[id_a][0].role == "joining" and records[id_a][1] == now + 10
+    far = latest_valid_records({sub_a: (record_fields(id_a), now + 1e9)}, now)
+    assert far[id_a][1] == now + MAX_RECORD_LIFETIME_S  # a writer cannot stay in the view for ever
+
+
+def test_an_identity_file_that_is_not_a_libp2p_rsa_key_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "node.id"
+    bad.write_bytes(b"not a key")
+    with pytest.raises(ConfigError, match="is not a libp2p RSA identity"):
+        load_identity(bad)
 
 
 def test_run_id_is_stable_and_covers_every_setting() -> None:
@@ -54,10 +83,40 @@ def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
         load_checkpoint(tmp_path, "other-run")
 
     path = tmp_path / CHECKPOINT_NAME
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match=str(path)):
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match=f"{path} is corrupt"):
+        load_checkpoint(tmp_path, "abc")
+    flipped = bytearray(good)
+    flipped[-200] ^= 0x01  # inside the tensor data: it would still unpickle
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="checksum does not match"):
+        load_checkpoint(tmp_path, "abc")
+    path.write_bytes(b"PK\x03\x04" + good[4:])
+    with pytest.raises(CheckpointError, match="not a hetero-node replica checkpoint"):
+        load_checkpoint(tmp_path, "abc")
+    save_checkpoint(tmp_path, {**state, "model": {"w": torch.tensor([1.0, float("nan")])}})
+    with pytest.raises(CheckpointError, match="non-finite"):
         load_checkpoint(tmp_path, "abc")
     assert load_checkpoint(tmp_path / "missing", "abc") is None
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a 256 KB tmpfs (a disk that fills up)")
+    try:
+        state = {"run_id": "abc", "round": 3, "model": {"w": torch.arange(4.0)}}
+        save_checkpoint(disk, state)
+        (disk / "replica.tmp999999").write_bytes(b"left by a writer killed mid-write")
+        with pytest.raises(CheckpointError, match=r"could not write checkpoint .*No space left"):
+            save_checkpoint(disk, {**state, "round": 4, "model": {"w": torch.zeros(1 << 18)}})  # 1 MB
+        assert load_checkpoint(disk, "abc")["round"] == 3
+        assert sorted(p.name for p in disk.iterdir()) == [CHECKPOINT_NAME]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.parametrize("bad", ["garbage", "/ip4/127.0.0.1/tcp/31337", "/ip4/999.0.0.1/tcp/1/p2p/x", ""])

@@ -25,7 +25,7 @@ from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, run_arg
 
 from hetero_node.bench import cpu_quota
 from hetero_node.bench.local_swarm import LocalSwarm
-from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME
+from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from hetero_node.models.shards import fingerprint
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]
@@ -110,7 +110,7 @@ def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replic
 
 
 def ef_fingerprint(checkpoint_dir: Path) -> str:
-    state = torch.load(checkpoint_dir / CHECKPOINT_NAME, weights_only=True)
+    state = read_checkpoint(checkpoint_dir / CHECKPOINT_NAME)
     return fingerprint([b for sync in state["syncs"] for b in sync["error_feedback"]["buffers"]])
 
 
@@ -138,7 +138,7 @@ def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_m
         assert swarm.wait("r1", 30) == 0, "SIGTERM to the process group should end the replica cleanly"
         assert time.monotonic() - stopped < 30
         assert group_is_gone(pgid), "a p2pd or averager child outlived the replica"
-        saved = torch.load(tmp_path / "r1.ckpt" / CHECKPOINT_NAME, weights_only=True)
+        saved = read_checkpoint(tmp_path / "r1.ckpt" / CHECKPOINT_NAME)
         saved_ef = ef_fingerprint(tmp_path / "r1.ckpt")
         before = set(rounds_of(tmp_path, 1))
         wait_for_round(tmp_path, 0, saved["round"])  # r1 comes back at least a round behind the swarm

@@ -93,7 +93,9 @@ def test_a_killed_replica_does_not_stop_the_others_and_a_corrupt_checkpoint_fall
         wait_for_round(tmp_path, 1, 2)
         swarm.stop("r1")
         checkpoint = tmp_path / "r1.ckpt" / CHECKPOINT_NAME
-        checkpoint.write_bytes(b"not a checkpoint" + checkpoint.read_bytes()[100:])
+        damaged = bytearray(checkpoint.read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF  # one flipped byte inside the weights
+        checkpoint.write_bytes(bytes(damaged))
         before = set(rounds_of(tmp_path, 1))
         swarm.start("r1", join_args(peers, 1, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1"])

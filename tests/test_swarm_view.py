@@ -12,6 +12,7 @@ from hetero_node.client.swarm.view import (
     slot_holders,
     swarm_round,
     virtual_replicas,
+    vouched_fingerprint,
     vr_stages,
 )
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
@@ -99,3 +100,16 @@ def test_donors_and_the_swarm_round() -> None:
     assert swarm_round(liar, peer_id("f1")) == 10**9  # one honest and one liar: the upper median believes it
     assert swarm_round({**liar, **dict([full("g2", 5)])}, peer_id("f1")) == 5  # outvoted by the honest
     assert swarm_round({}, peer_id("f1")) == 0
+
+
+def test_a_fingerprint_is_vouched_for_by_a_strict_majority_of_the_others_at_its_round() -> None:
+    def at(name: str, round_: int, fp: str) -> tuple[str, object]:
+        return peer_id(name), peer_record(name, role=ROLE_FULL, round=round_, fingerprints={"0": fp, "fixed": fp})
+
+    records = dict([at("f1", 5, "a" * 32), at("f2", 5, "a" * 32), at("f3", 5, "b" * 32), at("g2", 6, "c" * 32)])
+    assert vouched_fingerprint(records, 5, "0", peer_id("x0")) == "a" * 32  # two of three
+    assert vouched_fingerprint(records, 5, "fixed", peer_id("x0")) == "a" * 32
+    assert vouched_fingerprint(records, 5, "0", peer_id("f1")) is None  # without f1's own word: a tie
+    assert vouched_fingerprint(records, 6, "0", peer_id("x0")) == "c" * 32  # alone at its round
+    assert vouched_fingerprint(records, 7, "0", peer_id("x0")) is None  # nobody there
+    assert vouched_fingerprint(records, 5, "1", peer_id("x0")) is None  # nobody advertises shard 1

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hetero_node.client.swarm import view
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import CheckpointError, PayloadError
@@ -109,7 +110,9 @@ class ShardStates:
         stop: threading.Event,
     ) -> tuple[int, dict[int, dict[str, Any]], int] | None:
         """(round, {shard: state}, bytes downloaded) from the newest donor at round ≥ min_round whose fingerprints
-        it matches.
+        it matches, where those fingerprints are the ones most peers at that round advertise and that round is not
+        above what most donors hold (`view.swarm_round`): one peer claiming a later round or other weights is not
+        followed.
 
         `donor_records` lists who may serve (the caller's choice: full replicas, or peers holding the shard).
         A donor that fails for a round is not asked again for it; None when no donor succeeded within wait_s.
@@ -119,14 +122,16 @@ class ShardStates:
         me = str(self.runtime.peer_id)
         while True:
             records = donor_records()
+            ceiling = view.swarm_round(records, me)
             donors = sorted(
                 (
                     (rec.round, pid)
                     for pid, rec in records.items()
-                    if pid != me and rec.round >= min_round and (pid, rec.round) not in failed
+                    if pid != me and min_round <= rec.round <= ceiling and (pid, rec.round) not in failed
+                    and self._vouched(records, rec, me)
                 ),
                 reverse=True,
-            )
+            )  # fmt: skip
             for donor_round, donor in donors:
                 downloaded = self._download(donor, records[donor], donor_round)
                 if downloaded is not None:
@@ -136,6 +141,13 @@ class ShardStates:
             if time.monotonic() >= deadline or stop.is_set():
                 return None
             time.sleep(0.5)
+
+    def _vouched(self, records: dict[str, PeerRecord], record: PeerRecord, me: str) -> bool:
+        """Whether every shard fingerprint the donor advertises is the one most peers at its round advertise."""
+        return all(
+            view.vouched_fingerprint(records, record.round, str(shard), me) == record.fingerprints.get(str(shard))
+            for shard in self.shapes
+        )
 
     def _download(
         self, donor: str, record: PeerRecord, donor_round: int

@@ -1,12 +1,19 @@
-"""Per-round checkpoints: written atomically, refused loudly when corrupt or from another run.
+"""Per-round checkpoints: written atomically, checksummed, refused loudly when corrupt or from another run.
 
 A checkpoint holds what a replica cannot get back from its peers: its error-feedback buffers and inner optimizer
-state, plus the weights and round it had, and the run id they belong to. It is written to a temporary file
-and renamed, so a crash mid-write leaves the previous checkpoint intact.
+state, plus the weights and round it had, and the run id they belong to. It is written to a temporary file,
+fsynced and renamed (and the directory fsynced), so a crash mid-write leaves the previous checkpoint intact.
+
+The file is a magic line, the sha256 of the payload, then the payload (`torch.save` of the state). Why a checksum:
+a flipped bit in a tensor still unpickles, and error feedback or optimizer state that is silently off is never
+caught by any peer. Non-finite values are refused too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -16,19 +23,60 @@ import torch
 from hetero_node.protocol.errors import CheckpointError
 
 CHECKPOINT_NAME = "replica.ckpt"
+MAGIC = b"hetero-node checkpoint 2\n"
+DIGEST_BYTES = 32
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
-    """Write `state` to `directory/replica.ckpt` via write-then-rename."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write `state` to `directory/replica.ckpt` via write-then-rename; `CheckpointError` if the disk refuses (the
+    previous checkpoint is then intact and no temporary file is left)."""
     path = directory / CHECKPOINT_NAME
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(f"{path.stem}.tmp*"):  # left by a process killed mid-write
+            stale.unlink(missing_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a power cut
+        finally:
+            os.close(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write checkpoint {path}: {e}") from None
     return path
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The state in a checkpoint file, checked against its checksum; `CheckpointError` if it is not one of ours,
+    damaged, or holds non-finite values."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint (or from an older version)")
+    digest, payload = data[len(MAGIC) : len(MAGIC) + DIGEST_BYTES], data[len(MAGIC) + DIGEST_BYTES :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its checksum does not match (damaged or truncated)")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises a zoo of types for foreign payloads
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {e}") from None
+    if not isinstance(state, dict) or "run_id" not in state or "round" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint")
+    if not _all_finite(state):
+        raise CheckpointError(f"checkpoint {path} holds non-finite values")
+    return state
 
 
 def load_checkpoint(directory: Path, run_id: str) -> dict[str, Any] | None:
@@ -36,15 +84,20 @@ def load_checkpoint(directory: Path, run_id: str) -> dict[str, Any] | None:
     path = directory / CHECKPOINT_NAME
     if not path.exists():
         return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises a zoo of types for truncated or foreign files
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {e}") from None
-    if not isinstance(state, dict) or "run_id" not in state or "round" not in state:
-        raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint")
+    state = read_checkpoint(path)
     if state["run_id"] != run_id:
         raise CheckpointError(
             f"checkpoint {path} belongs to run {state['run_id']}, not to this run ({run_id}); "
             "use another --checkpoint-dir or remove it"
         )
     return state
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(value.isfinite().all())
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_all_finite(v) for v in value)
+    return True

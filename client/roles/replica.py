@@ -226,7 +226,10 @@ class Replica(ABC):
             "trainer": self.trainer.state_dict(),
             "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
         }
-        save_checkpoint(self.node.checkpoint_dir, state)
+        try:
+            save_checkpoint(self.node.checkpoint_dir, state)
+        except CheckpointError as e:  # a full disk must not end training; the previous checkpoint stays
+            logger.error("%s; training goes on without this round's checkpoint", e)
 
     def restore(self) -> None:
         """Resume from our checkpoint; a corrupt one is an error unless a peer can provide the current state, and
@@ -265,6 +268,7 @@ class Replica(ABC):
             self.wait_for_peers()
             rounds = self.run_cfg.outer.rounds
             while not self.stop.is_set() and self.keep_serving():
+                self.runtime.ensure_daemon()
                 if self.in_flight is None:
                     self.catch_up()
                 t = self.round + (self.in_flight is not None)  # under overlap, the round after the one in flight

@@ -245,11 +245,13 @@ class StagePeer(Replica):
         while not self.stop.is_set() and time.monotonic() < deadline:
             records = self.records()
             mate = self.schedule.neighbours.get(0)
+            # our own stage 0 first, then anyone holding the table that most peers of its round hold
             donors = sorted(
                 (pid != mate, pid)
                 for pid, r in records.items()
                 if r.round in (new_round, new_round + 1) and FIXED in r.fingerprints
-            )  # our own stage 0 first, then anyone who has it
+                and r.fingerprints[FIXED] == view.vouched_fingerprint(records, r.round, FIXED, self.me)
+            )  # fmt: skip
             for _, pid in donors:
                 fixed = self.states.fetch_fixed(pid, records[pid], new_round)
                 if fixed is not None:

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import shutil
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -19,12 +21,13 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hetero_node.protocol.errors import PeerAddressError
+from hetero_node.protocol.errors import DaemonError, PeerAddressError
+from hetero_node.protocol.frames import bound_hivemind_frames
+from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import PeerRecord, base_validators, parse_peer_record, run_validators
-from hetero_node.protocol.signing import load_or_create_signing_key, signing_key_path
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -58,14 +61,20 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     return parsed
 
 
-def latest_valid_records(found: dict[Any, tuple[Any, float]]) -> dict[str, tuple[PeerRecord, float]]:
-    """(record, expiration) of records that pass the schema, by the peer id they claim; of two claiming one id
-    (a peer restarted with a new signing key), the one that expires last wins."""
+MAX_RECORD_LIFETIME_S = 600.0
+"""A record counts as live for at most this long past now, whatever expiration its writer chose (records are
+refreshed every few seconds; a far expiration would keep a dead or hostile peer in everyone's view)."""
+
+
+def latest_valid_records(found: dict[Any, tuple[Any, float]], now: float) -> dict[str, tuple[PeerRecord, float]]:
+    """(record, expiration) of the records that pass the schema and are signed by the key of the peer id they
+    claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery."""
     best: dict[str, tuple[PeerRecord, float]] = {}
-    for value, expiration in found.values():
+    for subkey, (value, expiration) in found.items():
         record = parse_peer_record(value)
-        if record is not None and (record.peer_id not in best or expiration > best[record.peer_id][1]):
-            best[record.peer_id] = (record, expiration)
+        if record is None or owner_peer_id(subkey) != record.peer_id:
+            continue
+        best[record.peer_id] = (record, min(expiration, now + MAX_RECORD_LIFETIME_S))
     return best
 
 
@@ -95,21 +104,30 @@ class PeerRuntime:
         from hivemind.dht.crypto import RSASignatureValidator
 
         peers = parse_peer_multiaddrs(initial_peers)
-        key = load_or_create_signing_key(signing_key_path(identity_path) if identity_path else None)
-        self.signer = RSASignatureValidator(key)
+        scratch = None if identity_path else Path(tempfile.mkdtemp(prefix="hetero-node-identity-"))
+        identity = identity_path if scratch is None else scratch / "identity"
+        fresh = not identity.exists()
+        if fresh:
+            create_identity(identity)
+        self.signer = RSASignatureValidator(load_identity(identity))  # one key: peer id and record signatures
+        bound_hivemind_frames()
         use_fork_start_method()
         try:
             self.dht = hivemind.DHT(
                 initial_peers=peers,
                 host_maddrs=[f"/ip4/{host}/tcp/{port}"],
                 announce_maddrs=announce_maddrs,
-                identity_path=str(identity_path) if identity_path else None,
+                identity_path=str(identity),
+                check_if_identity_free=not fresh,  # a key made just now is nobody else's
                 record_validators=base_validators(self.signer),
                 client_mode=client_mode,
                 start=True,
             )
         except Exception as e:  # hivemind reports unreachable bootstraps as a generic error from its child
             raise PeerAddressError(f"could not join the swarm through {peers}: {e}") from None
+        finally:
+            if scratch is not None:  # p2pd has read the key by now (or failed): a temporary name leaves no file
+                shutil.rmtree(scratch, ignore_errors=True)
         self.initial_peers = peers
         self.run_id: str | None = None
         self._loop = asyncio.new_event_loop()
@@ -147,6 +165,25 @@ class PeerRuntime:
     @property
     def visible_maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def p2pd_alive(self) -> bool:
+        """Whether this node's p2p daemon still runs. hivemind does not notice when it dies: every call just fails,
+        and a node would go on training alone, round after round, without a word."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.dht.pid).children(recursive=True)
+            return any(c.name().startswith("p2pd") and c.status() != psutil.STATUS_ZOMBIE for c in children)
+        except psutil.Error:  # the DHT process (p2pd's parent) is gone, or p2pd went while we looked
+            return False
+
+    def ensure_daemon(self) -> None:
+        """Raise `DaemonError` if the p2p daemon died (checked once per round)."""
+        if not self.p2pd_alive():
+            raise DaemonError(
+                "this node's p2p daemon (p2pd) is gone, so it can no longer reach the swarm; "
+                "start the node again (it resumes from its checkpoint and catches up)"
+            )
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the background loop from the calling (training) thread."""
@@ -275,8 +312,10 @@ class PeerRuntime:
 
     def read_records_timed(self, timeout: float = 5.0) -> dict[str, tuple[PeerRecord, float]] | None:
         """As `read_records`, with each record's DHT expiration time."""
+        from hivemind.utils import get_dht_time
+
         found = self._get(peers_key(self.run_id), timeout)
-        return None if found is None else latest_valid_records(found)
+        return None if found is None else latest_valid_records(found, get_dht_time())
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""

@@ -87,3 +87,21 @@ def swarm_round(records: Records, me: str) -> int:
     """
     rounds = sorted(r.round for pid, r in records.items() if pid != me)
     return rounds[len(rounds) // 2] if rounds else 0
+
+
+def vouched_fingerprint(records: Records, round_: int, shard: str, me: str) -> str | None:
+    """The fingerprint of `shard` ("0", "1", ..., or "fixed") that strictly more than half of the other peers at
+    `round_` advertise; None without such a majority (a tie, or nobody there).
+
+    A donor's blob matching the donor's own advertised fingerprint proves only that the donor is consistent; a state
+    is believable when most peers that hold that round hold the same bits.
+    """
+    fps = [
+        r.fingerprints[shard]
+        for pid, r in records.items()
+        if pid != me and r.round == round_ and shard in r.fingerprints
+    ]
+    if not fps:
+        return None
+    best = max(set(fps), key=fps.count)
+    return best if 2 * fps.count(best) > len(fps) else None

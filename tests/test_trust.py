@@ -1,0 +1,117 @@
+"""What one lying peer, or a broken part of a node, cannot do: real DHT peers and libp2p streams in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from factories import record_fields
+from hivemind.p2p import P2P
+
+from hetero_node.client.outer.shard_state import ShardStates, state_fingerprint
+from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.protocol.errors import DaemonError, PayloadError
+from hetero_node.protocol.frames import MAX_FRAME_BYTES
+from hetero_node.protocol.keys import blob_handler_name
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_FULL
+
+pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
+
+RUN_ID = "0123456789abcdef"
+SHAPES = {0: [(4, 3)], 1: [(5,)]}
+
+
+@contextlib.contextmanager
+def swarm(size: int) -> Iterator[list[PeerRuntime]]:
+    """`size` peers joined to the run, the first one the others' entry point."""
+    runtimes = [PeerRuntime([])]
+    try:
+        entry = [str(runtimes[0].dht.get_visible_maddrs()[0])]
+        runtimes += [PeerRuntime(entry) for _ in range(size - 1)]
+        for runtime in runtimes:
+            runtime.join_run(RUN_ID)
+        yield runtimes
+    finally:
+        for runtime in runtimes:
+            runtime.shutdown()
+
+
+def serve(runtime: PeerRuntime, round_: int, scale: float) -> dict[int, str]:
+    """Publish a full replica's state of round `round_` (weights = `scale`) and a record that advertises it."""
+    tensors = {shard: [torch.full(shape, scale) for shape in shapes] for shard, shapes in SHAPES.items()}
+    ShardStates(runtime, SHAPES, None, fetch_timeout_s=10).publish(round_, tensors, None)
+    fps = {str(shard): state_fingerprint(ts, None) for shard, ts in tensors.items()}
+    fields = record_fields(str(runtime.peer_id), role=ROLE_FULL, round=round_, fingerprints=fps)
+    runtime.announce(PeerRecord(**fields), refresh_s=2.0)
+    return fps
+
+
+@pytest.mark.parametrize("liar_round", [6, 10**6, 5], ids=["one-ahead", "far-ahead", "same-round"])
+def test_a_joiner_loads_the_state_most_peers_hold_not_one_donors(liar_round: int) -> None:
+    """Two honest replicas hold round 5; a third serves other weights, advertised with their own (matching)
+    fingerprint, at a later round or the same one. A joiner loads the honest state; before the quorum rule it
+    took the newest round any donor claimed."""
+    with swarm(4) as (honest1, honest2, liar, joiner):
+        honest = serve(honest1, 5, 1.0)
+        assert serve(honest2, 5, 1.0) == honest
+        assert serve(liar, liar_round, 100.0) != honest
+        deadline = time.monotonic() + 30
+        while len(joiner.read_records() or {}) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        states = ShardStates(joiner, SHAPES, None, fetch_timeout_s=10)
+        loaded = states.load(lambda: joiner.read_records() or {}, 0, 10.0, threading.Event())
+        assert loaded is not None
+        round_, shards, size = loaded
+        assert round_ == 5 and size > 0
+        for shard, state in shards.items():
+            assert all(torch.equal(t, torch.ones_like(t)) for t in state["tensors"]), shard
+
+
+def test_a_frame_declared_larger_than_the_cap_is_refused_at_its_header() -> None:
+    """hivemind would buffer a declared 1 GiB frame in full before our handler runs; the cap closes the stream at the
+    header, and the peer goes on serving."""
+    with swarm(2) as (server, client):
+        server.publish("state", 0, 1, b"honest bytes")
+
+        async def declare_a_huge_frame() -> None:
+            """Returns once the server has closed the stream; without the cap it waits for the rest of 1 GiB."""
+            _, reader, writer = await client.p2p._client.stream_open(server.peer_id, (blob_handler_name(RUN_ID),))
+            with contextlib.suppress(ConnectionError):  # the server may reset the stream while we still write
+                writer.write(P2P.MESSAGE_MARKER + (1 << 30).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + bytes(1 << 20))
+                await writer.drain()
+                await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+
+        client.run(declare_a_huge_frame(), timeout=30)
+        assert client.fetch(server.peer_id, "state", 0, 1, 1 << 10, 10) == (1, b"honest bytes")
+
+    async def frame(length: int, body: bytes) -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body)
+        reader.feed_eof()
+        return await P2P.receive_raw_data(reader)
+
+    assert asyncio.run(frame(5, b"hello")) == b"hello"
+    with pytest.raises(PayloadError, match=f"limit is {MAX_FRAME_BYTES}"):
+        asyncio.run(frame(MAX_FRAME_BYTES + 1, b"x"))
+
+
+def test_a_node_whose_p2p_daemon_died_says_so_instead_of_training_alone() -> None:
+    import psutil
+
+    with swarm(1) as (runtime,):
+        assert runtime.p2pd_alive()
+        runtime.ensure_daemon()
+        daemons = [c for c in psutil.Process(runtime.dht.pid).children(recursive=True) if c.name().startswith("p2pd")]
+        assert len(daemons) == 1
+        daemons[0].kill()
+        daemons[0].wait(10)
+        assert not runtime.p2pd_alive()
+        with pytest.raises(DaemonError, match="p2pd"):
+            runtime.ensure_daemon()
