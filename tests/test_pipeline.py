@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -413,6 +414,19 @@ def test_inbox_rounds_and_capacity() -> None:
     box.refused(box.forward(2), microbatch=1, round=ROUND + 1)  # the previous stage was replaced
     box.send(box.forward(2), "peerB", microbatch=1, round=ROUND + 1)
     assert [h.microbatch for h in box.queued()] == [0, 1]
+
+
+def test_a_restarted_stage_takes_a_message_that_arrives_before_its_first_round_is_planned() -> None:
+    box = Inbox()
+    box.inbox.expect = Expectation()  # just started: catching up, no round planned yet
+    later = ROUND + 7  # the swarm is well ahead of where its checkpoint left it
+    timer = threading.Timer(0.5, box.inbox.expect_round, [Expectation(VR, STAGE, later, previous=PREV, next=NEXT)])
+    timer.start()
+    try:
+        box.send(box.forward(3), microbatch=0, round=later)
+    finally:
+        timer.cancel()
+    assert [(h.round, h.microbatch) for h in box.queued()] == [(later, 0)]
 
 
 def test_inbox_refuses_beyond_its_queue_limit() -> None:

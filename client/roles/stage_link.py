@@ -41,8 +41,9 @@ MAX_QUEUED = 256
 """Accepted messages waiting for the worker; a sender that floods a stage is refused beyond this."""
 SEND_ATTEMPTS = 3
 SETTLE_S = 5.0
-"""A message for our current or next round from a not-yet-known neighbour waits this long for the worker to catch
-up (it reads the records a moment after the sender did) before it is refused."""
+"""A message for our current or next round from a not-yet-known neighbour, or any message before the worker planned
+its first round (a restarted stage catching up), waits this long for the worker to catch up (it reads the records a
+moment after the sender did) before it is refused."""
 
 
 @dataclass(frozen=True)
@@ -136,10 +137,13 @@ class StageInbox:
         return wire.StageAck()
 
     def _may_settle(self, h: Header) -> bool:
-        """The worker has not yet caught up with this message's round, or not yet learnt who sends it."""
+        """The worker has not yet caught up with this message's round, or not yet learnt who sends it, or has not
+        planned any round yet (a restarted stage still catching up with the swarm)."""
         expect = self.expect
+        if (expect.vr, expect.stage) == (-1, -1):
+            return True
         neighbour = expect.next if h.kind == BACKWARD else expect.previous
-        return (expect.vr, expect.stage) in ((h.vr, h.stage), (-1, -1)) and (
+        return (expect.vr, expect.stage) == (h.vr, h.stage) and (
             h.round == expect.round + 1 or (h.round == expect.round and neighbour is None)
         )
 

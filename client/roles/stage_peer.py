@@ -242,6 +242,7 @@ class StagePeer(Replica):
             drift_transfer_(self.stage.module, self.stage.basis)
             return True
         deadline = time.monotonic() + self.timeouts.round_timeout_s
+        failed: set[str] = set()
         while not self.stop.is_set() and time.monotonic() < deadline:
             records = self.records()
             mate = self.schedule.neighbours.get(0)
@@ -249,7 +250,7 @@ class StagePeer(Replica):
             donors = sorted(
                 (pid != mate, pid)
                 for pid, r in records.items()
-                if r.round in (new_round, new_round + 1) and FIXED in r.fingerprints
+                if r.round == new_round and FIXED in r.fingerprints and pid not in failed
                 and r.fingerprints[FIXED] == view.vouched_fingerprint(records, r.round, FIXED, self.me)
             )  # fmt: skip
             for _, pid in donors:
@@ -257,6 +258,10 @@ class StagePeer(Replica):
                 if fixed is not None:
                     self.stage.fixed_table.copy_(fixed)
                     return True
+                if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
+                    failed.add(pid)
+            if not donors and view.swarm_round(records, self.me) > new_round:
+                break  # catching up: peers serve only their newest table, and all have moved past this one
             time.sleep(0.3)
         logger.error("round %d: no peer served the fixed table of round %d; re-syncing", new_round - 1, new_round)
         return False
