@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 
 from hetero_node.client.cli.demo import DemoConfig, summarize
 from hetero_node.client.node.join import role_for_run
+from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from hetero_node.client.swarm.runtime import MAX_RECORD_LIFETIME_S, latest_valid_records, parse_peer_multiaddrs
@@ -99,6 +100,12 @@ def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="non-finite"):
         load_checkpoint(tmp_path, "abc")
     assert load_checkpoint(tmp_path / "missing", "abc") is None
+
+
+def test_a_state_download_gets_the_time_its_size_needs_on_this_nodes_link() -> None:
+    assert transfer_timeout(1_000_000, 100.0, 30.0) == 30.0  # 0.16 s needed: the floor
+    assert transfer_timeout(454_000_000, 50.0, 30.0) == pytest.approx(145.28)  # a 178m shard on 50 Mbit/s
+    assert transfer_timeout(454_000_000, 0.0, 30.0) == 30.0  # bandwidth unknown
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(tmp_path: Path) -> None:

@@ -64,6 +64,14 @@ def _max_size(shapes: Sequence[tuple[int, ...]]) -> int:
     return 2 * sum(4 * torch.Size(s).numel() for s in shapes) + (1 << 22)
 
 
+def transfer_timeout(nbytes: int, download_mbps: float, floor_s: float) -> float:
+    """How long to allow a download of `nbytes`: twice what this node's download bandwidth needs, never less than
+    `floor_s` (a fixed deadline would make a large model's state unreachable on a modest link)."""
+    if download_mbps <= 0:
+        return floor_s
+    return max(floor_s, 2 * 8 * nbytes / (download_mbps * 1e6))
+
+
 class ShardStates:
     """Publishes this peer's shard states and loads verified ones from donors (see the module docstring)."""
 
@@ -73,9 +81,10 @@ class ShardStates:
         shapes: dict[int, list[tuple[int, ...]]],
         fixed_shape: tuple[int, ...] | None,
         fetch_timeout_s: float,
+        download_mbps: float = 0.0,
     ) -> None:
         self.runtime, self.shapes, self.fixed_shape = runtime, shapes, fixed_shape
-        self.fetch_timeout_s = fetch_timeout_s
+        self.fetch_timeout_s, self.download_mbps = fetch_timeout_s, download_mbps
 
     def publish(
         self,
@@ -159,7 +168,8 @@ class ShardStates:
         try:
             for shard, shapes in self.shapes.items():
                 limit = _max_size([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
-                round_, data = self.runtime.fetch(peer, "state", shard, donor_round, limit, self.fetch_timeout_s)
+                timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
+                round_, data = self.runtime.fetch(peer, "state", shard, donor_round, limit, timeout)
                 size += len(data)
                 state = from_bytes(data)
                 tensors, fixed = state["tensors"], state.get(FIXED)
@@ -183,10 +193,10 @@ class ShardStates:
         """T_fixed of `round_` from `donor`, checked against the fingerprint it advertises; None on any failure."""
         from hivemind.p2p import PeerID
 
+        limit = _max_size([self.fixed_shape])
+        timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
         try:
-            served, data = self.runtime.fetch(
-                PeerID.from_base58(donor), FIXED, 0, round_, _max_size([self.fixed_shape]), self.fetch_timeout_s
-            )
+            served, data = self.runtime.fetch(PeerID.from_base58(donor), FIXED, 0, round_, limit, timeout)
             fixed = from_bytes(data)[FIXED]
             if served != round_ or tuple(fixed.shape) != self.fixed_shape or fixed.dtype != torch.float32:
                 raise PayloadError(f"fixed table of round {served} with shape {tuple(fixed.shape)}")

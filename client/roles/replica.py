@@ -313,8 +313,9 @@ class Replica(ABC):
         leave_on_signals(self.stop)
         fixed = self.fixed_table
         self.states = ShardStates(
-            self.runtime, shapes, None if fixed is None else tuple(fixed.shape), self.timeouts.fetch_timeout_s
-        )
+            self.runtime, shapes, None if fixed is None else tuple(fixed.shape), self.timeouts.fetch_timeout_s,
+            self.membership.record.download_mbps,
+        )  # fmt: skip
         self.metrics = MetricsWriter(self.node.metrics, {**self.metrics_header(), "run": self.run_cfg.to_dict()})
         self.adopt_start()
 
