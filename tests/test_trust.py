@@ -7,6 +7,8 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from factories import record_fields
 from hivemind.p2p import P2P
 
 from hetero_node.client.outer.shard_state import ShardStates, state_fingerprint
-from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, MAX_STREAMS_PER_PEER, PeerRuntime, wire
 from hetero_node.protocol.errors import DaemonError, PayloadError
 from hetero_node.protocol.frames import MAX_FRAME_BYTES
 from hetero_node.protocol.keys import blob_handler_name
@@ -115,3 +117,26 @@ def test_a_node_whose_p2p_daemon_died_says_so_instead_of_training_alone() -> Non
         assert not runtime.p2pd_alive()
         with pytest.raises(DaemonError, match="p2pd"):
             runtime.ensure_daemon()
+
+
+def test_one_peer_cannot_hold_every_upload_slot() -> None:
+    """Streams a peer holds open (reading slowly, or not at all) count against it alone: past the cap it is refused,
+    while other peers are served and a released stream frees its slot."""
+    with swarm(1) as (server,):
+        server.publish("state", 0, 1, bytes(3 * BLOB_PIECE_BYTES))
+        request = wire.BlobRequest(kind="state", shard=0, round=1)
+
+        def opened(peer: str) -> Any:
+            return server._serve_blob(request, SimpleNamespace(remote_id=peer))
+
+        async def scenario() -> None:
+            held = [opened("greedy") for _ in range(MAX_STREAMS_PER_PEER)]
+            for stream in held:
+                assert (await stream.__anext__()).total_size == 3 * BLOB_PIECE_BYTES  # open, first piece sent
+            with pytest.raises(PayloadError, match="blob streams open"):
+                await opened("greedy").__anext__()
+            assert [len(piece.data) async for piece in opened("honest")] == [BLOB_PIECE_BYTES] * 3
+            await held[0].aclose()  # the greedy peer lets one go
+            assert (await opened("greedy").__anext__()).round == 1
+
+        server.run(scenario(), timeout=60)

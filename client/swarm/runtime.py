@@ -16,12 +16,12 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hetero_node.protocol.errors import DaemonError, PeerAddressError
+from hetero_node.protocol.errors import DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
@@ -42,6 +42,9 @@ KEPT_ROUNDS = 4
 moved on; older ones, and their byte counters, are forgotten."""
 KEPT_STATES = 2
 """Whole states (the biggest blobs) are kept for fewer rounds: a peer that needs one takes the newest."""
+MAX_STREAMS_PER_PEER = 16
+"""Blob streams one peer may hold open here at once; more are refused. An honest peer opens one per shard it
+fetches at a time (8 stages at most) plus a manifest; one that loops requests must not take every upload slot."""
 
 
 def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
@@ -135,6 +138,7 @@ class PeerRuntime:
         self._thread.start()
         self._blobs: dict[tuple[str, int], dict[int, bytes | Callable[[], bytes]]] = defaultdict(dict)
         self._blobs_lock = threading.Lock()
+        self._open_streams: Counter[str] = Counter()
         self._dht_lock = threading.Lock()  # hivemind's DHT writes requests to one pipe without a lock of its own
         self._last_request = 0.0
         self.bytes_served_total = 0
@@ -218,19 +222,26 @@ class PeerRuntime:
             return (round_, rounds[round_]) if round_ in rounds else None
 
     async def _serve_blob(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        found = self._lookup(request.kind, request.shard, request.round)
-        if found is None:
-            raise KeyError(f"no {request.kind} for shard {request.shard} round {request.round} here")
-        round_, data = found
-        if callable(data):  # made on first request, off the event loop, then kept
-            data = await asyncio.get_running_loop().run_in_executor(None, data)
-            with self._blobs_lock:
-                self._blobs.get((request.kind, request.shard), {}).update({round_: data})
-        for start in range(0, max(len(data), 1), BLOB_PIECE_BYTES):
-            piece = wire.BlobChunk(data=data[start : start + BLOB_PIECE_BYTES], total_size=len(data), round=round_)
-            self.bytes_served_total += piece.ByteSize()
-            yield piece
-        self._last_request = time.monotonic()
+        peer = str(context.remote_id)
+        if self._open_streams[peer] >= MAX_STREAMS_PER_PEER:  # the counter lives on the event loop: no lock
+            raise PayloadError(f"{peer} already holds {MAX_STREAMS_PER_PEER} blob streams open here")
+        self._open_streams[peer] += 1
+        try:
+            found = self._lookup(request.kind, request.shard, request.round)
+            if found is None:
+                raise KeyError(f"no {request.kind} for shard {request.shard} round {request.round} here")
+            round_, data = found
+            if callable(data):  # made on first request, off the event loop, then kept
+                data = await asyncio.get_running_loop().run_in_executor(None, data)
+                with self._blobs_lock:
+                    self._blobs.get((request.kind, request.shard), {}).update({round_: data})
+            for start in range(0, max(len(data), 1), BLOB_PIECE_BYTES):
+                piece = wire.BlobChunk(data=data[start : start + BLOB_PIECE_BYTES], total_size=len(data), round=round_)
+                self.bytes_served_total += piece.ByteSize()
+                yield piece
+            self._last_request = time.monotonic()
+        finally:
+            self._open_streams[peer] -= 1
 
     def fetch(
         self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int, timeout: float
