@@ -30,6 +30,7 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import KillSoakConfig
 from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.roles.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -56,17 +57,8 @@ def peer_args(cfg: KillSoakConfig, peers: str, name: str, workdir: Path, index: 
 
 
 def rounds_of(path: Path) -> dict[int, dict[str, Any]]:
-    """A peer's round records by round (a later line for the same round wins); partial lines are skipped."""
-    records: dict[int, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "round" in obj:
-                records[obj["round"]] = obj
-    return records
+    """A peer's round records by round (a restarted peer's later record for the same round wins)."""
+    return {r["round"]: r for r in read_metrics(path)[1] if "round" in r}
 
 
 def p2pd_pids() -> set[int]:

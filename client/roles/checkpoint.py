@@ -4,7 +4,8 @@ A checkpoint holds what a replica cannot get back from its peers: its error-feed
 state, plus the weights and round it had, and the run id they belong to. It is written to a temporary file,
 fsynced and renamed (and the directory fsynced), so a crash mid-write leaves the previous checkpoint intact.
 
-The file is a magic line, the sha256 of the payload, then the payload (`torch.save` of the state). Why a checksum:
+The file is a magic line, the payload (`torch.save` of the state, streamed to disk), then the sha256 of the
+payload. Why a checksum:
 a flipped bit in a tensor still unpickles, and error feedback or optimizer state that is silently off is never
 caught by any peer. Non-finite values are refused too.
 """
@@ -16,7 +17,7 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -31,16 +32,21 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     """Write `state` to `directory/replica.ckpt` via write-then-rename; `CheckpointError` if the disk refuses (the
     previous checkpoint is then intact and no temporary file is left)."""
     path = directory / CHECKPOINT_NAME
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(f"{path.stem}.tmp*"):  # left by a process killed mid-write
             stale.unlink(missing_ok=True)
         with open(tmp, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
+            f.write(MAGIC)
+            hashing = _HashingWriter(f)  # no in-memory copy of a state that may be several GB
+            try:
+                torch.save(state, hashing)
+            except RuntimeError:  # torch's writer turns a failed write into its own error: say what happened
+                if hashing.error is None:
+                    raise
+                raise hashing.error from None
+            f.write(hashing.sha256.digest())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -65,8 +71,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
     if not data.startswith(MAGIC):
         raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint (or from an older version)")
-    digest, payload = data[len(MAGIC) : len(MAGIC) + DIGEST_BYTES], data[len(MAGIC) + DIGEST_BYTES :]
-    if hashlib.sha256(payload).digest() != digest:
+    payload, digest = memoryview(data)[len(MAGIC) : -DIGEST_BYTES], data[-DIGEST_BYTES:]
+    if len(data) < len(MAGIC) + DIGEST_BYTES or hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupt: its checksum does not match (damaged or truncated)")
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
@@ -91,6 +97,25 @@ def load_checkpoint(directory: Path, run_id: str) -> dict[str, Any] | None:
             "use another --checkpoint-dir or remove it"
         )
     return state
+
+
+class _HashingWriter:
+    """A write-only file that hashes what passes through it on the way to `file`."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.sha256 = file, hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def _all_finite(value: Any) -> bool:
