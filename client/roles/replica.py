@@ -421,12 +421,13 @@ class Replica(ABC):
 
     def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, CaughtUp], int] | None:
         """θ(t+1) of `shards` from round t's messages, served by peers that completed it; None if any failed."""
-        records = self.donors(self.records())
-        donors = sorted((r.round, pid) for pid, r in records.items() if pid != self.me and r.round > round_)
-        order = [pid for _, pid in donors]
+        records = self.records()
         fps = self.fingerprints()
         rebuilt = {}
-        for shard in shards:
+        for shard in shards:  # a round's messages are served by whoever held the shard: stage peers too
+            holders = view.shard_donors(records, shard)
+            order = [pid for _, pid in sorted((r.round, pid) for pid, r in holders.items() if r.round > round_)]
+            order = [pid for pid in order if pid != self.me]
             got = catch_up_shard(
                 self.syncs[shard], round_, self.start[shard], fps[str(shard)], order, self.timeouts.fetch_timeout_s
             )
@@ -564,7 +565,7 @@ class Replica(ABC):
         end = (flight.plan.deadline or get_dht_time()) + flight.plan.grace_s + self.timeouts.round_timeout_s
         while not self.stop.is_set():
             records = self.records()
-            donors = self.donors(records)
+            donors = {pid: r for s in shards for pid, r in view.shard_donors(records, s).items()}  # any shard's holders
             if any(pid != self.me and r.round > t for pid, r in donors.items()):
                 got = self.rebuild_round(t, shards) if self.messages_cheaper(1, records) else None
                 if got is not None:
