@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long lint bench bench-kills clean
+.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -44,6 +44,10 @@ bench: venv data
 # 20 SIGKILLs (with restarts) and 5 freezes of random peers of a local swarm (no root needed; about 7 min).
 bench-kills: venv data
 	$(BIN)/hetero-node bench-kills --out bench/results/kills
+
+# Finite, well-formed attacks on the outer step under the mean and the robust rule (one process; about 30 min).
+bench-byzantine: venv data
+	$(BIN)/hetero-node bench-byzantine --seeds 2 --out bench/results/byzantine
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

@@ -151,3 +151,55 @@ class RoundModesConfig:
     @property
     def mode_list(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.modes.split(",") if m.strip())
+
+
+BYZANTINE_ATTACKS = ("scale", "sign-flip", "heavy-flip", "fixed-top", "concentrate", "zero", "collude")
+"""scale: its honest Δ ×100; sign-flip: −Δ (gradient ascent); heavy-flip: −Δ claiming 1000× the tokens; fixed-top:
+the same coordinates at the top centroid every round; concentrate: the whole norm budget on one row of the head, along
+the mean final hidden state (one token's logit up everywhere); zero: an all-zero message; collude: two peers sending
+the same fixed-top message."""
+
+
+@dataclass(frozen=True)
+class ByzantineConfig:
+    """Which attacks against which aggregation rules, in which groups; defaults take about 10 minutes on 2 cores."""
+
+    attacks: str = field(default=",".join(BYZANTINE_ATTACKS), metadata={"help": "Comma-separated attacks."})
+    rules: str = field(default="mean,robust", metadata={"help": "Aggregation rules to compare: mean, robust."})
+    honest: str = field(default="4,2", metadata={"help": "Group sizes of honest replicas (one attacker each)."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset."})
+    rounds: int = field(default=6, metadata={"help": "Outer rounds after the warm start."})
+    inner_steps: int = field(default=20, metadata={"help": "H: inner steps per replica per round."})
+    warm_steps: int = field(default=150, metadata={"help": "Steps of one replica before the swarm starts from it."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step."})
+    seq_len: int = field(default=64, metadata={"help": "Tokens per sequence."})
+    eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
+    seeds: int = field(default=1, metadata={"help": "Runs per cell (seeds 0..N-1 of weights and data order)."})
+    out: Path = field(default=Path("bench/results/byzantine"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "rounds", "inner_steps", "batch_size", "seq_len", "eval_batches", "seeds")
+        if self.warm_steps < 0:
+            raise ConfigError(f"--warm-steps must not be negative, got {self.warm_steps}")
+        if not set(self.attack_list) <= set(BYZANTINE_ATTACKS) or not self.attack_list:
+            raise ConfigError(f"--attacks {self.attacks!r}: choose from {', '.join(BYZANTINE_ATTACKS)}")
+        if not set(self.rule_list) <= {"mean", "robust"} or not self.rule_list:
+            raise ConfigError(f"--rules {self.rules!r}: choose from mean, robust")
+        try:
+            sizes = self.honest_sizes
+        except ValueError:
+            raise ConfigError(f"--honest {self.honest!r}: comma-separated positive integers") from None
+        if not sizes or min(sizes) < 1:
+            raise ConfigError(f"--honest {self.honest!r}: comma-separated positive integers")
+
+    @property
+    def attack_list(self) -> list[str]:
+        return [a for a in self.attacks.split(",") if a]
+
+    @property
+    def rule_list(self) -> list[str]:
+        return [r for r in self.rules.split(",") if r]
+
+    @property
+    def honest_sizes(self) -> list[int]:
+        return [int(n) for n in self.honest.split(",") if n]

@@ -15,6 +15,11 @@ reference code's rule (clip to the median norm, then the plain mean over selecto
 Weights are normalised to w_r / max_s w_s (float64), so the rule does not depend on the unit (tokens or steps).
 Malformed or non-finite contributions, and non-positive weights, are dropped, not fatal.
 
+This rule trusts every member to be honest but possibly broken: it bounds a message's whole norm, not where the norm
+goes. `--aggregation robust` (`_robust`) bounds each contribution per tensor, per value and per
+coordinate, and caps claimed weights, so a minority that lies with well-formed messages moves θ by a bounded share;
+`hetero-node bench-byzantine` measures both rules against the attacks of the trust review.
+
 Every peer must reach the same bits, so the result depends only on the contributions, their weights and their
 order: callers pass contributions in a canonical order (sorted by peer id). Norms are computed exactly rounded
 in float64 (`math.fsum` over the four decoded values of each tensor, weighted by how often each code occurs), so
@@ -33,7 +38,14 @@ import torch
 from torch import Tensor
 
 from hetero_node.protocol.errors import PayloadError
-from hetero_node.protocol.sparseloco import LEVELS, SparseMessage, decode_table, dequantize, validate_message
+from hetero_node.protocol.sparseloco import (
+    LEVELS,
+    CompressedTensor,
+    SparseMessage,
+    decode_table,
+    dequantize,
+    validate_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +69,31 @@ class AggregateResult:
     """The normalised weight of each used contribution, aligned with `used`."""
 
 
+def _squared_norm_terms(part: CompressedTensor) -> list[float]:
+    """count(code)·value(code)² for each code of one tensor: its squared norm, to be summed with `math.fsum`."""
+    counts = torch.bincount(part.codes.to(torch.int64), minlength=LEVELS).tolist()
+    values = decode_table(part).tolist()
+    return [count * value**2 for count, value in zip(counts, values, strict=True)]
+
+
 def contribution_norm(msg: SparseMessage) -> float:
     """L2 norm of the dequantized contribution over all its tensors, exactly rounded in float64.
 
     Each tensor's values take only 4 fp32 values, so the squared norm is Σ count(code)·value(code)², summed
     with `math.fsum`: the same float on every machine.
     """
-    terms = []
-    for part in msg.tensors:
-        counts = torch.bincount(part.codes.to(torch.int64), minlength=LEVELS).tolist()
-        values = decode_table(part).tolist()
-        terms.extend(count * value**2 for count, value in zip(counts, values, strict=True))
-    return math.sqrt(math.fsum(terms))
+    return math.sqrt(math.fsum(term for part in msg.tensors for term in _squared_norm_terms(part)))
+
+
+def tensor_norm(part: CompressedTensor) -> float:
+    """L2 norm of one tensor's transmitted values, exactly rounded (as `contribution_norm`)."""
+    return math.sqrt(math.fsum(_squared_norm_terms(part)))
+
+
+def peak_value(part: CompressedTensor) -> float:
+    """Largest |value| one tensor transmits: over the codes it uses, not the whole table (unused entries are free)."""
+    used = torch.bincount(part.codes.to(torch.int64), minlength=LEVELS) > 0
+    return float(decode_table(part).abs()[used].max()) if bool(used.any()) else 0.0
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -77,20 +102,10 @@ def lower_median(values: Sequence[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def aggregate(
-    contributions: Sequence[SparseMessage],
-    shapes: Sequence[Sequence[int]],
-    weights: Sequence[float] | None = None,
-    peer_ids: Sequence[str] | None = None,
-) -> AggregateResult:
-    """Token-weighted, per-token-norm-clipped mean over selectors of `contributions` for a shard of `shapes`.
-
-    `weights` (aligned with `contributions`; default: all equal) are the tokens each contribution was trained on.
-    `peer_ids` only name peers in the warnings about dropped contributions. Pass contributions in a canonical
-    order: fp32 sums depend on it, and every peer must get the same bits.
-    """
-    weights = [1.0] * len(contributions) if weights is None else list(weights)
-    names = list(peer_ids) if peer_ids is not None else [f"#{i}" for i in range(len(contributions))]
+def _checked(
+    contributions: Sequence[SparseMessage], shapes: Sequence[Sequence[int]], weights: list[float], names: list[str]
+) -> tuple[list[int], list[tuple[int, str]]]:
+    """Positions of the well-formed contributions with a positive weight, and (position, reason) of the rest."""
     if len(weights) != len(contributions) or len(names) != len(contributions):
         raise ValueError(f"{len(weights)} weights and {len(names)} peer ids for {len(contributions)} contributions")
     used, dropped = [], []
@@ -104,11 +119,37 @@ def aggregate(
             dropped.append((i, str(err)))
         else:
             used.append(i)
+    return used, dropped
+
+
+def _per_token_clip(norms: Sequence[float], relative: Sequence[float]) -> list[float]:
+    """f_r = min(1, median_s(n_s/w_s)·w_r/(n_r + ε)): nobody pushes more per token than the median peer."""
+    median = lower_median([n / w for n, w in zip(norms, relative, strict=True)]) if norms else 0.0
+    return [min(1.0, median * w / (n + NORM_EPS)) for n, w in zip(norms, relative, strict=True)]
+
+
+def aggregate(
+    contributions: Sequence[SparseMessage],
+    shapes: Sequence[Sequence[int]],
+    weights: Sequence[float] | None = None,
+    peer_ids: Sequence[str] | None = None,
+    robust: bool = False,
+) -> AggregateResult:
+    """Token-weighted, per-token-norm-clipped mean over selectors of `contributions` for a shard of `shapes`.
+
+    `weights` (aligned with `contributions`; default: all equal) are the tokens each contribution was trained on.
+    `peer_ids` only name peers in the warnings about dropped contributions. `robust` selects the robust rule instead
+    (see `_robust`). Pass contributions in a canonical order: fp32 sums depend on it, and every
+    peer must get the same bits.
+    """
+    weights = [1.0] * len(contributions) if weights is None else list(weights)
+    names = list(peer_ids) if peer_ids is not None else [f"#{i}" for i in range(len(contributions))]
+    used, dropped = _checked(contributions, shapes, weights, names)
+    if robust:
+        return _robust(contributions, shapes, weights, used, dropped)
     heaviest = max((weights[i] for i in used), default=1.0)
     relative = [weights[i] / heaviest for i in used]
-    norms = [contribution_norm(contributions[i]) for i in used]
-    median = lower_median([n / w for n, w in zip(norms, relative, strict=True)]) if norms else 0.0
-    clip_factors = [min(1.0, median * w / (n + NORM_EPS)) for n, w in zip(norms, relative, strict=True)]
+    clip_factors = _per_token_clip([contribution_norm(contributions[i]) for i in used], relative)
 
     sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32) for s in shapes]
     totals = [torch.zeros_like(s) for s in sums]
@@ -124,4 +165,50 @@ def aggregate(
         torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s).view(tuple(shape))
         for s, c, shape in zip(sums, totals, shapes, strict=True)
     ]
+    return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)
+
+
+ROBUST_WEIGHT_CAP = 1.0
+"""Under the robust rule a contribution counts at most this many times the lower-median weight: a token count is
+a claim. `bench-byzantine` measured 1.0, 1.5 and 2.0 against a sign-flipper claiming 1000× the tokens (+0.5%,
++0.8%, +1.3% eval loss with four honest replicas)."""
+
+
+def _robust(
+    contributions: Sequence[SparseMessage],
+    shapes: Sequence[Sequence[int]],
+    weights: list[float],
+    used: list[int],
+    dropped: list[tuple[int, str]],
+) -> AggregateResult:
+    """The mean rule with every bound made per tensor and per coordinate, so a minority cannot concentrate.
+
+    * weights: w_r capped at `ROBUST_WEIGHT_CAP` × the lower median, then normalised by the largest;
+    * per tensor: the per-token norm clip of the mean rule, tensor by tensor (a budget cannot move to one tensor);
+    * per value: after clipping, |x_rj| ≤ lower_median_s(peak_s / w_s) · w_r, the median peer's largest value per
+      token (the codebook is the sender's choice: one lookup entry can hold the whole norm budget);
+    * per coordinate: Σ w_r·x_rj over the selectors divided by the weight of *all* contributors (a member that did
+      not select j counts as 0 there), so a coordinate one peer selected alone moves by its share of the group,
+      not by its full value. Honest selections overlap only in part, so honest steps are smaller too: the price
+      of the rule, measured by `bench-byzantine`.
+    """
+    median = lower_median([weights[i] for i in used]) if used else 1.0
+    capped = [min(weights[i], ROBUST_WEIGHT_CAP * median) for i in used]
+    heaviest = max(capped, default=1.0)
+    relative = [w / heaviest for w in capped]
+    total_weight = torch.tensor(math.fsum(relative) if relative else 1.0, dtype=torch.float32)
+    clip_factors = [1.0] * len(used)
+    tensors = []
+    for t, shape in enumerate(shapes):
+        parts = [contributions[i].tensors[t] for i in used]
+        factors = _per_token_clip([tensor_norm(p) for p in parts], relative)
+        peak = lower_median([peak_value(p) * f / w for p, f, w in zip(parts, factors, relative, strict=True)] or [0])
+        total = torch.zeros(math.prod(tuple(shape)), dtype=torch.float32)
+        for k, (i, part, factor, w) in enumerate(zip(used, parts, factors, relative, strict=True)):
+            clip_factors[k] = min(clip_factors[k], factor)
+            bound = float(torch.tensor(peak * w, dtype=torch.float32))
+            values = (dequantize(part) * torch.tensor(factor, dtype=torch.float32)).clamp(-bound, bound)
+            positions = contributions[i].plan(t).positions(part.indices)
+            total.index_add_(0, positions, values * torch.tensor(w, dtype=torch.float32))
+        tensors.append((total / total_weight).view(tuple(shape)))
     return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)

@@ -1,7 +1,7 @@
 """Outer methods as strategies: how a replica turns its pseudo-gradient into a message, and how every member of a
 shard's group turns the same messages into the same θ(t+1).
 
-One interface, two methods (the robust rule of a later issue is a third `combine`):
+One interface, two methods; `--aggregation` picks how `combine` bounds each message (see `aggregation`):
 
 * `encode(deltas)` → the wire message of Δ = θ(t) − θ_local, and a snapshot of the private state it changed
   (SparseLoCo's error feedback), which `restore` puts back when the round fails for this replica;
@@ -123,6 +123,7 @@ class SparseLoCoMethod(OuterMethod):
     def __init__(self, shapes: Shapes, run: RunConfig) -> None:
         super().__init__(shapes)
         self.config, self.alpha = run.sparseloco, run.outer.outer_lr
+        self.robust = run.outer.aggregation == "robust"
         self.compressor = ErrorFeedbackCompressor(self.shapes, self.config)
 
     @property
@@ -141,7 +142,7 @@ class SparseLoCoMethod(OuterMethod):
         return sparse_codec.decode(payload, self.shapes, self.config)
 
     def _combine_sorted(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
-        result = aggregate(messages, self.shapes, weights, names)
+        result = aggregate(messages, self.shapes, weights, names, robust=self.robust)
         return Combined(result.tensors, result.used, result.dropped)
 
     def update(self, start: Sequence[Tensor], combined: Combined) -> list[Tensor]:

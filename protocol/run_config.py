@@ -25,6 +25,7 @@ MAX_CHUNK = 64
 """Largest chunk side: in-chunk indices must fit the 12 bits of the wire format (64² = 4096)."""
 
 OUTER_METHODS = ("sparseloco", "diloco")
+AGGREGATION_RULES = ("mean", "robust")
 DILOCO_WIRE_DTYPES = ("fp32", "fp16")
 ACTIVATION_COMPRESSION = ("subspace", "none", "compress-all")
 BOUNDARY_WIRE_DTYPES = ("bf16", "fp16", "fp32")
@@ -89,6 +90,13 @@ class OuterConfig:
     diloco_lr: float = field(default=0.7, metadata={"help": "DiLoCo outer Nesterov learning rate."})
     diloco_momentum: float = field(default=0.9, metadata={"help": "DiLoCo outer Nesterov momentum."})
     diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
+    aggregation: str = field(
+        default="mean",
+        metadata={
+            "help": "How a group combines its messages: mean (token-weighted mean, per-token norm clip) or robust "
+            "(every bound per tensor and per coordinate: a minority of liars cannot concentrate; see bench-byzantine)."
+        },
+    )
     round_s: float = field(
         default=0.0,
         metadata={
@@ -111,6 +119,10 @@ class OuterConfig:
     def __post_init__(self) -> None:
         if self.outer not in OUTER_METHODS:
             raise ConfigError(f"--outer must be one of {', '.join(OUTER_METHODS)}, got {self.outer!r}")
+        if self.aggregation not in AGGREGATION_RULES:
+            raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
+        if self.aggregation == "robust" and self.outer != "sparseloco":
+            raise ConfigError("--aggregation robust bounds SparseLoCo messages; --outer diloco has only the mean rule")
         if self.diloco_wire not in DILOCO_WIRE_DTYPES:
             raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
         require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")

@@ -139,3 +139,66 @@ def test_equal_weights_are_the_reference_rule_bit_for_bit_and_bad_weights_drop_t
         assert all(torch.equal(p, w) for p, w in zip(plain.tensors, weighted.tensors, strict=True))
     result = aggregate(messages, SHAPES, weights=[1.0, 0.0, float("nan")], peer_ids=["a", "b", "c"])
     assert result.used == [0] and [i for i, _ in result.dropped] == [1, 2]
+
+
+HONEST_LOOKUP = (-2.0, -1.0, 0.0, 4.0)
+
+
+def _honest_pair() -> list[SparseMessage]:
+    """Two honest messages selecting positions 0, 1, 4, 5 with the same values multiset (equal norms)."""
+    return [
+        _vector_message([0, 1, 0, 1], [3, 1, 0, 2], HONEST_LOOKUP),  # 4, -1, -2, 0
+        _vector_message([0, 1, 0, 1], [1, 3, 2, 0], HONEST_LOOKUP),  # -1, 4, 0, -2
+    ]
+
+
+def test_robust_rule_bounds_a_value_that_only_the_attacker_selected() -> None:
+    # positions 2, 3, 6, 7: three zeros and one huge value, the attacker's whole budget on one coordinate
+    attacker = _vector_message([2, 3, 2, 3], [0, 0, 0, 3], (0.0, 0.0, 0.0, 1e4))
+    mean = aggregate([*_honest_pair(), attacker], [(8,)])
+    robust = aggregate([*_honest_pair(), attacker], [(8,)], robust=True)
+    honest_norm = math.sqrt(16 + 1 + 4)
+    assert mean.tensors[0][7].item() == pytest.approx(honest_norm, rel=1e-5)  # clipped in norm, undiluted
+    # robust: clipped to the honest norm (4.58), clamped to the median peak (4), divided by all three weights
+    assert robust.tensors[0][7].item() == pytest.approx(4.0 / 3, rel=1e-6)
+    assert robust.tensors[0][[2, 3, 6]].tolist() == [0.0, 0.0, 0.0]
+    # coordinates the two honest peers selected: their sum over the three members (the mean rule: over the two)
+    assert robust.tensors[0][[0, 1, 4, 5]].tolist() == pytest.approx([1.0, 1.0, -2 / 3, -2 / 3])
+    assert mean.tensors[0][[0, 1, 4, 5]].tolist() == pytest.approx([1.5, 1.5, -1.0, -1.0])
+
+
+def test_robust_rule_counts_a_claimed_token_count_at_most_as_the_median() -> None:
+    flipped = _vector_message([0, 1, 0, 1], [0, 2, 3, 1], (-4.0, 0.0, 1.0, 2.0))  # −(first honest message)
+    robust = aggregate([*_honest_pair(), flipped], [(8,)], weights=[1.0, 1.0, 1000.0], robust=True)
+    assert robust.weights == [1.0, 1.0, 1.0]
+    mean = aggregate([*_honest_pair(), flipped], [(8,)], weights=[1.0, 1.0, 1000.0])
+    # the mean rule lets the heavy liar decide position 0 (≈ its −4); capped, it is one vote of three
+    assert mean.tensors[0][0].item() == pytest.approx(-4.0, abs=0.02)
+    assert robust.tensors[0][0].item() == pytest.approx((4 - 1 - 4) / 3, rel=1e-6)
+
+
+def test_robust_rule_keeps_one_tensors_budget_in_that_tensor() -> None:
+    """Per-tensor clipping: an attacker quiet in one tensor cannot spend that tensor's budget in another."""
+    honest = _messages([1.0, 1.0, 1.0])
+    budget = contribution_norm(honest[2])
+    first = honest[2].tensors[0]
+    one_code = torch.zeros_like(first.codes)
+    one_code[0] = 3  # the whole message's norm on one coordinate of the first tensor
+    loud = CompressedTensor(first.shape, first.indices, one_code, 0.0, (0.0, 0.0, 0.0, budget))
+    quiet = honest[2].tensors[1]
+    silent = CompressedTensor(quiet.shape, quiet.indices, quiet.codes, 0.0, (0.0, 0.0, 0.0, 0.0))
+    attack = SparseMessage(honest[2].chunk, honest[2].topk, (loud, silent))
+    clean = aggregate(honest[:2], SHAPES, robust=True)
+    attacked = aggregate([*honest[:2], attack], SHAPES, robust=True)
+    peak = max(float(t.abs().max()) for t in clean.tensors)
+    assert float(attacked.tensors[0].abs().max()) <= peak * 1.01
+    assert float(aggregate([*honest[:2], attack], SHAPES).tensors[0].abs().max()) > 5 * peak
+
+
+def test_robust_rule_is_deterministic_and_equal_to_the_mean_when_everyone_selects_alike() -> None:
+    first = aggregate(_messages([1.0, 2.0, 0.5, 3.0], seed=5), SHAPES, robust=True)
+    second = aggregate(_messages([1.0, 2.0, 0.5, 3.0], seed=5), SHAPES, robust=True)
+    assert all(torch.equal(a, b) for a, b in zip(first.tensors, second.tensors, strict=True))
+    same = _honest_pair()[:1] * 3
+    robust, mean = aggregate(same, [(8,)], robust=True), aggregate(same, [(8,)])
+    assert torch.equal(robust.tensors[0], mean.tensors[0])

@@ -213,6 +213,12 @@ def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Pa
     run_file.write_text("[outer]\ninner_steps = 0\n")
     with pytest.raises(ConfigError, match="--inner-steps must be positive"):
         apply_run_file(configs, load_run_file(run_file), explicit=set())
+    run_file.write_text("[outer]\nouter = 'diloco'\naggregation = 'robust'\n")
+    with pytest.raises(ConfigError, match="--outer diloco has only the mean rule"):
+        apply_run_file(configs, load_run_file(run_file), explicit=set())
+    run_file.write_text("[outer]\naggregation = 'median'\n")
+    with pytest.raises(ConfigError, match="--aggregation must be one of mean, robust"):
+        apply_run_file(configs, load_run_file(run_file), explicit=set())
 
 
 def test_compress_all_makes_every_node_a_stage_and_one_stage_runs_have_none() -> None:

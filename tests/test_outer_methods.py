@@ -25,9 +25,11 @@ def deltas(seed: int, scale: float = 1e-2) -> list[torch.Tensor]:
     return [scale * torch.randn(s, generator=gen) for s in SHAPES]
 
 
-@pytest.mark.parametrize("outer", ["sparseloco", "diloco"])
-def test_combining_the_same_messages_in_any_order_gives_the_same_bits(outer: str) -> None:
-    run = run_config(outer=OuterConfig(outer=outer))
+@pytest.mark.parametrize(
+    ("outer", "aggregation"), [("sparseloco", "mean"), ("sparseloco", "robust"), ("diloco", "mean")]
+)
+def test_combining_the_same_messages_in_any_order_gives_the_same_bits(outer: str, aggregation: str) -> None:
+    run = run_config(outer=OuterConfig(outer=outer, aggregation=aggregation))
     senders = [outer_method(run, SHAPES) for _ in range(3)]
     payloads = [m.encode(deltas(i)).payload for i, m in enumerate(senders)]
     names, weights = ["peer-b", "peer-a", "peer-c"], [512.0, 2048.0, 1024.0]

@@ -22,7 +22,13 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from hetero_node.bench.config import BenchConfig, DDPWorkerConfig, KillSoakConfig, RoundModesConfig
+from hetero_node.bench.config import (
+    BenchConfig,
+    ByzantineConfig,
+    DDPWorkerConfig,
+    KillSoakConfig,
+    RoundModesConfig,
+)
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
@@ -299,6 +305,20 @@ def bench_kills(cfg: KillSoakConfig) -> None:
 
     with Progress(console=err_console) as progress:
         report = run_kill_soak(cfg, progress)
+    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("bench-byzantine")
+@expand_dataclass_options
+def bench_byzantine(cfg: ByzantineConfig) -> None:
+    """Attack the outer step with finite, well-formed messages (in one process, the nodes' own code) and compare
+    the honest replicas' eval loss under each aggregation rule (report.json and report.md under --out)."""
+    from rich.progress import Progress
+
+    from hetero_node.bench.byzantine import render_markdown, run_byzantine
+
+    with Progress(console=err_console) as progress:
+        report = run_byzantine(cfg, progress)
     console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
 
 

@@ -1,0 +1,269 @@
+"""`hetero-node bench-byzantine`: finite, well-formed attacks on the outer step, and what each aggregation rule
+lets them do.
+
+One process, no network: the lab measures the *rule*, not the transport (signed records, strict decoders, size
+caps and group admission are tested against real processes elsewhere). Everything else is the nodes' own code: R
+replicas train H inner steps each from the same θ(t) on their own data shard (`InnerTrainer`, `ShardBatches`),
+encode Δ with the run's `OuterMethod` per parameter shard (error feedback, top-k, 2-bit codec) and decode the
+bytes, and every member's θ(t+1) is `combine` + `update` of those messages, as in a group. Attackers are members
+whose message is crafted (see `BYZANTINE_ATTACKS` in `bench.config`); it always passes `validate_message`.
+
+A cell is (rule, honest group size, attack); its figure is the honest replicas' eval loss after the last round,
+compared with the same rule's run without the attacker (the loss impact) and with the mean rule's clean run (the
+price of the rule itself). Runs start from one warm-started model, so early-training noise does not drown the
+attacks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from hetero_node.bench.config import ByzantineConfig
+from hetero_node.models.config import get_preset
+from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, val_batches
+from hetero_node.models.paths import default_cache_dir
+from hetero_node.models.shards import shard_parameter_names, shard_tensors
+from hetero_node.models.tokenizer import load_tokenizer
+from hetero_node.models.trainer import InnerTrainer
+from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.aggregation import contribution_norm, peak_value
+from hetero_node.protocol.outer_methods import OuterMethod, outer_method
+from hetero_node.protocol.run_config import OuterConfig, RunConfig
+from hetero_node.protocol.sparseloco import CompressedTensor, ErrorFeedbackCompressor, SparseMessage
+
+logger = logging.getLogger(__name__)
+
+SCALE = 100.0
+"""`scale`: how much the attacker multiplies its honest pseudo-gradient by."""
+CLAIMED_TOKENS = 1000
+"""`heavy-flip`: how many times an honest replica's tokens the attacker claims to have trained."""
+DEVICE = torch.device("cpu")
+
+
+class Member:
+    """One replica of the lab: its model, inner optimizer, data shard and one outer method per parameter shard."""
+
+    def __init__(self, run: RunConfig, store: TokenStore, warm: dict[str, Any], data_shard: int) -> None:
+        self.model = copy.deepcopy(warm["model"])
+        self.trainer = InnerTrainer(self.model, run.optim, warm["total_steps"], DEVICE)
+        self.trainer.step = warm["steps"]
+        self.batches = ShardBatches(store, data_shard, run.data_shards, run.batch_size, run.seq_len, run.seed)
+        self.shard_names: list[list[str]] = warm["shard_names"]
+        self.shards = [shard_tensors(self.model, names) for names in self.shard_names]
+        self.methods = [outer_method(run, [tuple(p.shape) for p in params]) for params in self.shards]
+        self.fixed: list[SparseMessage] = []
+        """fixed-top/collude: the message whose coordinates the attacker pushes every round (its first)."""
+
+    def train(self, steps: int, round_: int) -> None:
+        for i in range(steps):
+            self.trainer.train_step(*self.batches.batch(round_ * steps + i))
+
+    def messages(self, start: list[list[torch.Tensor]], sign: float = 1.0) -> list[SparseMessage]:
+        """This round's message per shard, through the real codec: sign·Δ encoded to bytes and decoded."""
+        out = []
+        for method, begin, params in zip(self.methods, start, self.shards, strict=True):
+            deltas = [sign * (s - p.detach()) for s, p in zip(begin, params, strict=True)]
+            out.append(method.decode(method.encode(deltas).payload))
+        return out
+
+    @torch.no_grad()
+    def set_params(self, new: list[list[torch.Tensor]]) -> None:
+        for params, tensors in zip(self.shards, new, strict=True):
+            for p, value in zip(params, tensors, strict=True):
+                p.copy_(value)
+
+
+def _with_values(part: CompressedTensor, codes: torch.Tensor, lookup: tuple[float, float, float, float]) -> Any:
+    """`part` with new codes and table (mean 0): a well-formed message that says what the attacker wants."""
+    return dataclasses.replace(part, codes=codes.to(torch.uint8), mean=0.0, lookup=lookup)
+
+
+def zero_message(msg: SparseMessage) -> SparseMessage:
+    return dataclasses.replace(
+        msg, tensors=tuple(_with_values(p, torch.zeros_like(p.codes), (0.0, 0.0, 0.0, 0.0)) for p in msg.tensors)
+    )
+
+
+def fixed_top_message(template: SparseMessage, honest: SparseMessage) -> SparseMessage:
+    """The template's coordinates, every one at this round's honest top centroid (largest |value|), positive."""
+    parts = []
+    for fixed, own in zip(template.tensors, honest.tensors, strict=True):
+        parts.append(_with_values(fixed, torch.full_like(fixed.codes, 3), (0.0, 0.0, 0.0, peak_value(own))))
+    return dataclasses.replace(template, tensors=tuple(parts))
+
+
+def head_row_deltas(attacker: Member, budget: float, token: int = 0) -> list[list[torch.Tensor]]:
+    """Δ per shard that raises one token's logit at every position: row `token` of the head moved along the mean
+    final hidden state, with the whole norm `budget` (the honest message's norm), nothing anywhere else."""
+    seen: list[torch.Tensor] = []
+    hook = attacker.model.head.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0].detach()))
+    with torch.no_grad():
+        attacker.model(attacker.batches.batch(0)[0])
+    hook.remove()
+    direction = seen[0].reshape(-1, seen[0].shape[-1]).mean(0)
+    deltas = []
+    for names, params in zip(attacker.shard_names, attacker.shards, strict=True):
+        shard = [torch.zeros_like(p) for p in params]
+        if "head.weight" in names:  # θ(t+1) = θ(t) − α·agg: a negative Δ along h̄ raises w_token·h
+            shard[names.index("head.weight")][token] = -budget * direction / direction.norm()
+        deltas.append(shard)
+    return deltas
+
+
+def concentrated_messages(attacker: Member, honest: list[SparseMessage]) -> list[SparseMessage]:
+    """`head_row_deltas` through a compressor of its own (no error feedback), in the honest shape of the message."""
+    budget = math.sqrt(math.fsum(contribution_norm(m) ** 2 for m in honest))
+    out = []
+    for method, deltas in zip(attacker.methods, head_row_deltas(attacker, budget), strict=True):
+        config = dataclasses.replace(method.config, ef_decay=0.0)
+        out.append(ErrorFeedbackCompressor(method.shapes, config).compress(deltas))
+    return out
+
+
+def attacker_messages(attack: str, attacker: Member, start: list[list[torch.Tensor]]) -> list[SparseMessage]:
+    """What one attacker sends this round (it has trained its H steps like everyone else)."""
+    if attack == "scale":
+        return attacker.messages(start, sign=SCALE)
+    if attack in ("sign-flip", "heavy-flip"):
+        return attacker.messages(start, sign=-1.0)
+    honest = attacker.messages(start)
+    if attack == "zero":
+        return [zero_message(m) for m in honest]
+    if attack == "concentrate":
+        return concentrated_messages(attacker, honest)
+    attacker.fixed = attacker.fixed or honest
+    return [fixed_top_message(t, m) for t, m in zip(attacker.fixed, honest, strict=True)]
+
+
+def warm_start(run: RunConfig, store: TokenStore, steps: int, total_steps: int) -> dict[str, Any]:
+    """One model trained `steps` steps on shard 0: the common start of every replica of a seed's runs."""
+    model = Transformer(get_preset(run.preset, vocab_size=run.vocab_size), seed=run.seed)
+    trainer = InnerTrainer(model, run.optim, total_steps, DEVICE)
+    batches = ShardBatches(store, 0, 1, run.batch_size, run.seq_len, run.seed + 1000)
+    for i in range(steps):
+        trainer.train_step(*batches.batch(i))
+    names = shard_parameter_names(get_preset(run.preset, vocab_size=run.vocab_size), run.outer.stages)
+    return {"model": model, "optim": run.optim, "steps": steps, "total_steps": total_steps, "shard_names": names}
+
+
+def run_cell(
+    run: RunConfig, store: TokenStore, warm: dict[str, Any], held_out: list, honest: int, attack: str | None,
+    on_round: Callable[[], None],
+) -> list[float]:  # fmt: skip
+    """Eval loss of the honest replicas after each round of one (rule, group, attack) run."""
+    n_attackers = 0 if attack is None else 2 if attack == "collude" else 1
+    members = [Member(run, store, warm, r) for r in range(honest + n_attackers)]
+    names = [f"honest-{r}" for r in range(honest)] + [f"attacker-{a}" for a in range(n_attackers)]
+    tokens = float(run.outer.inner_steps * run.batch_size * run.seq_len)
+    weights = [tokens] * honest + [tokens * (CLAIMED_TOKENS if attack == "heavy-flip" else 1)] * n_attackers
+    losses = []
+    for t in range(run.outer.rounds):
+        start = [[p.detach().clone() for p in params] for params in members[0].shards]
+        for m in members:
+            m.train(run.outer.inner_steps, t)
+        sent = [m.messages(start) for m in members[:honest]]
+        for a in members[honest:]:
+            sent.append(attacker_messages(attack or "", a, start))
+        if attack == "collude":  # both push the first attacker's coordinates
+            sent[-1] = sent[-2]
+        judge: list[OuterMethod] = members[0].methods
+        new = []
+        for s, method in enumerate(judge):
+            combined = method.combine([msgs[s] for msgs in sent], weights, names)
+            new.append(method.update(start[s], combined))
+        for m in members:
+            m.set_params(new)
+        losses.append(members[0].trainer.evaluate(held_out))
+        on_round()
+    return losses
+
+
+@dataclass
+class Cell:
+    rule: str
+    honest: int
+    attack: str
+    finals: list[float]
+    """Eval loss after the last round, per seed."""
+    curves: list[list[float]]
+
+
+def run_byzantine(cfg: ByzantineConfig, progress: Progress) -> dict[str, Any]:
+    """Every (rule, group, attack) cell for every seed, plus each rule's clean run; writes report.json/.md."""
+    tokenizer = load_tokenizer(None)
+    store = build_token_store(None, tokenizer, default_cache_dir())
+    groups = [(n, a) for n in cfg.honest_sizes for a in ["none", *cfg.attack_list] if a != "collude"]
+    groups += [(max(cfg.honest_sizes), "collude")] if "collude" in cfg.attack_list else []
+    cells = {(rule, n, a): Cell(rule, n, a, [], []) for rule in cfg.rule_list for n, a in groups}
+    task = progress.add_task("byzantine cells", total=len(cells) * cfg.seeds * cfg.rounds)
+    for seed in range(cfg.seeds):
+        total = cfg.warm_steps + cfg.rounds * cfg.inner_steps
+        warm = warm_start(_run_config(cfg, tokenizer.vocab_size, store, seed, "mean"), store, cfg.warm_steps, total)
+        held_out = val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+        start_loss = InnerTrainer(warm["model"], warm["optim"], total, DEVICE).evaluate(held_out)
+        for rule in cfg.rule_list:
+            run = _run_config(cfg, tokenizer.vocab_size, store, seed, rule)
+            for (r, n, attack), cell in cells.items():
+                if r != rule:
+                    continue
+                progress.update(task, description=f"seed {seed} {rule} {n}+{attack}")
+                curve = run_cell(run, store, warm, held_out, n, None if attack == "none" else attack,
+                                 lambda: progress.advance(task))  # fmt: skip
+                cell.finals.append(curve[-1])
+                cell.curves.append([start_loss, *curve])
+                logger.info("seed %d %s %d+%s: %s", seed, rule, n, attack, " ".join(f"{x:.3f}" for x in curve))
+    report = {"config": {k: str(v) for k, v in asdict(cfg).items()}, "cells": [asdict(c) for c in cells.values()]}
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
+    (cfg.out / "report.md").write_text(render_markdown(report))
+    return report
+
+
+def _run_config(cfg: ByzantineConfig, vocab_size: int, store: TokenStore, seed: int, rule: str) -> RunConfig:
+    return RunConfig(
+        preset=cfg.preset, vocab_size=vocab_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
+        data_shards=max(cfg.honest_sizes) + 2, data_identity=store.identity, tokenizer_identity="lab",
+        outer=OuterConfig(inner_steps=cfg.inner_steps, rounds=cfg.rounds, aggregation=rule),
+    )  # fmt: skip
+
+
+def _summary(values: list[float]) -> str:
+    mean = statistics.fmean(values)
+    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """One row per (group, attack): each rule's final eval loss and its change against that rule's clean run."""
+    cells = {(c["rule"], c["honest"], c["attack"]): c for c in report["cells"]}
+    rules = list(dict.fromkeys(c["rule"] for c in report["cells"]))
+    rows = list(dict.fromkeys((c["honest"], c["attack"]) for c in report["cells"]))
+    header = "| group | attack | " + " | ".join(f"{r}: eval loss | {r}: vs clean" for r in rules) + " |"
+    lines = [header, "|" + "---|" * (2 + 2 * len(rules))]
+    for honest, attack in rows:
+        attackers = 0 if attack == "none" else 2 if attack == "collude" else 1
+        row = [f"{honest} honest + {attackers}", attack]
+        for rule in rules:
+            cell, clean = cells.get((rule, honest, attack)), cells.get((rule, honest, "none"))
+            if cell is None or clean is None:
+                row += ["–", "–"]
+                continue
+            change = statistics.fmean(cell["finals"]) / statistics.fmean(clean["finals"]) - 1
+            row += [_summary(cell["finals"]), f"{change:+.1%}"]
+        lines.append("| " + " | ".join(row) + " |")
+    config = report["config"]
+    lines.append(
+        f"\n`{config['preset']}`, warm start {config['warm_steps']} steps, {config['rounds']} rounds of H = "
+        f"{config['inner_steps']}, {config['seeds']} seed(s); eval loss of the honest replicas after the last round."
+    )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,34 @@
+"""The Byzantine lab, short: both rules against the head-row attack (the full run is `make bench-byzantine`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.progress import Progress
+
+from hetero_node.bench.byzantine import render_markdown, run_byzantine
+from hetero_node.bench.config import ByzantineConfig
+from hetero_node.protocol.errors import ConfigError
+
+
+@pytest.mark.usefixtures("bundled_cache_dir")
+def test_the_robust_rule_blunts_an_attack_the_mean_rule_lets_through(tmp_path: Path) -> None:
+    cfg = ByzantineConfig(
+        attacks="concentrate", honest="3", rounds=2, inner_steps=10, warm_steps=50, out=tmp_path
+    )  # fmt: skip
+    with Progress(disable=True) as progress:
+        report = run_byzantine(cfg, progress)
+    final = {(c["rule"], c["attack"]): c["finals"][0] for c in report["cells"]}
+    assert set(final) == {("mean", "none"), ("mean", "concentrate"), ("robust", "none"), ("robust", "concentrate")}
+    assert final[("mean", "concentrate")] > 1.2 * final[("mean", "none")]  # the attack works on the mean rule
+    assert final[("robust", "concentrate")] < 1.05 * final[("robust", "none")]
+    assert json.loads((tmp_path / "report.json").read_text())["cells"] == report["cells"]
+    assert "| 3 honest + 1 | concentrate |" in render_markdown(report)
+
+
+@pytest.mark.parametrize("change", [{"attacks": "bogus"}, {"rules": "median"}, {"honest": "4,x"}, {"honest": "0"}])
+def test_bad_lab_options_are_refused(change: dict) -> None:
+    with pytest.raises(ConfigError):
+        ByzantineConfig(**change)
