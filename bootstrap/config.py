@@ -18,6 +18,10 @@ class BootstrapConfig:
         default=Path("bootstrap.id"),
         metadata={"help": "Private key file (created if missing): fixes the peer id; the same key signs the run."},
     )
+    swarm_key: Path | None = field(
+        default=None,
+        metadata={"help": "Make the swarm private: only peers holding this key file (`hetero-node swarm-key`) join."},
+    )
     announce: str | None = field(
         default=None, metadata={"help": "Public IP or hostname to advertise (behind NAT or in Docker)."}
     )

@@ -20,11 +20,13 @@ from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.protocol.errors import PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity
-from hetero_node.protocol.keys import RUN_KEY_HANDLER, runs_key
+from hetero_node.protocol.keys import RUN_KEY_HANDLER, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import RunAnnouncement, base_validators, run_validators
 from hetero_node.protocol.run_config import RunConfig
+from hetero_node.protocol.socket_dir import use_private_socket_dir
+from hetero_node.protocol.swarm_key import MemberProofValidator, load_swarm_key
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -42,11 +44,14 @@ class BootstrapNode:
         if cfg.announce:
             proto = "ip6" if ":" in cfg.announce else ("ip4" if cfg.announce.replace(".", "").isdigit() else "dns4")
             announce = [f"/{proto}/{cfg.announce}/tcp/{cfg.port}"]
+        swarm_key = load_swarm_key(cfg.swarm_key) if cfg.swarm_key is not None else None
+        private = [] if swarm_key is None else [MemberProofValidator(swarm_key, peers_key(run.run_id))]
         fresh = not cfg.identity.exists()
         if fresh:
             create_identity(cfg.identity)
         self.signer = RSASignatureValidator(load_identity(cfg.identity))  # its peer id's key signs the run
         bound_hivemind_frames()
+        use_private_socket_dir()
         multiprocessing.set_start_method("fork", force=True)  # hivemind's DHT process only works when forked
         try:
             self.dht = hivemind.DHT(
@@ -54,7 +59,7 @@ class BootstrapNode:
                 announce_maddrs=announce,
                 identity_path=str(cfg.identity),
                 check_if_identity_free=not fresh,
-                record_validators=[*base_validators(self.signer), *run_validators(run.run_id)],
+                record_validators=[*base_validators(self.signer), *run_validators(run.run_id), *private],
                 start=True,
             )
         except Exception as e:  # port in use, unreadable identity, ...: say so in one line
@@ -66,6 +71,7 @@ class BootstrapNode:
             protocol_version=run.protocol_version,
             data_source=data_source,
             config=run.to_dict(),
+            private=swarm_key is not None,
         ).dict()
         self.dht.run_coroutine(partial(_serve_requests, public_key=self.signer.local_public_key, run_id=run.run_id))
         self.stop = threading.Event()

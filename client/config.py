@@ -78,6 +78,9 @@ class NodeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Interface to listen on (0.0.0.0 for all)."})
     port: int = field(default=0, metadata={"help": "TCP port to listen on (0: any free port)."})
     identity: Path | None = field(default=None, metadata={"help": "Private key file: keeps the peer id stable."})
+    swarm_key: Path | None = field(
+        default=None, metadata={"help": "A private swarm's key file (from `hetero-node swarm-key`): proves membership."}
+    )
     replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
     checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
     metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})

@@ -31,6 +31,7 @@ from hetero_node.protocol.roles import (
     ROLE_STAGE,
     ROLES,
 )
+from hetero_node.protocol.swarm_key import PROOF_PATTERN
 
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"
 """A base58 libp2p peer id."""
@@ -70,6 +71,9 @@ class PeerRecord(pydantic.BaseModel):
     train_round: conint(strict=True, ge=-1, le=10**9)  # type: ignore[valid-type]
     """The round this peer is training or contributing to (-1: none yet); one above `round` while an overlapped
     exchange is in flight."""
+    claimed_at: confloat(strict=True, ge=0, le=1e11)  # type: ignore[valid-type]
+    """DHT time at which this stage peer claimed its (vr, stage) slot (0: no slot). Of two claims on one slot the
+    earlier keeps it, so an incumbent is never displaced by a late claimant acting on a stale view."""
     deadline: confloat(strict=True, ge=0, le=1e11)  # type: ignore[valid-type]
     """DHT time at which `train_round`'s training ends (0: not time-boxed yet); peers of a round adopt the
     earliest."""
@@ -78,6 +82,8 @@ class PeerRecord(pydantic.BaseModel):
     loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
     fingerprints: dict[constr(strict=True, regex=r"^(\d{1,4}|fixed)$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
     view: constr(strict=True, max_length=32)  # type: ignore[valid-type]
+    member_proof: constr(strict=True, regex=PROOF_PATTERN)  # type: ignore[valid-type]
+    """A private swarm's proof that this peer holds the swarm key (`protocol/swarm_key.py`); "" in a public one."""
     refresh_s: confloat(strict=True, gt=0, le=3600)  # type: ignore[valid-type]
 
     @pydantic.validator("fingerprints")
@@ -96,6 +102,8 @@ class RunAnnouncement(pydantic.BaseModel):
     protocol_version: conint(strict=True, ge=0)  # type: ignore[valid-type]
     data_source: constr(strict=True, max_length=256)  # type: ignore[valid-type]
     config: dict[constr(strict=True, max_length=64), Any]  # type: ignore[valid-type]
+    private: pydantic.StrictBool
+    """Only peers holding the swarm key take part (a joiner without one is told so, not left waiting)."""
 
 
 class _PeersKey(pydantic.BaseModel):

@@ -44,6 +44,10 @@ def test_a_record_counts_only_when_signed_by_the_key_of_the_peer_id_it_claims(tm
     assert set(records) == {id_a} and records[id_a][0].role == "joining" and records[id_a][1] == now + 10
     far = latest_valid_records({sub_a: (record_fields(id_a), now + 1e9)}, now)
     assert far[id_a][1] == now + MAX_RECORD_LIFETIME_S  # a writer cannot stay in the view for ever
+    id_b = PeerID.from_identity(paths[1].read_bytes()).to_base58()
+    both = {sub_a: (record_fields(id_a), now + 10), sub_b: (record_fields(id_b), now + 10)}
+    assert set(latest_valid_records(both, now)) == {id_a, id_b}
+    assert set(latest_valid_records(both, now, limit=1)) == {min(id_a, id_b)}  # a flood is cut, the same for all
 
 
 def test_an_identity_file_that_is_not_a_libp2p_rsa_key_is_a_clear_error(tmp_path: Path) -> None:
@@ -67,10 +71,14 @@ def test_run_id_is_stable_and_covers_every_setting() -> None:
     assert len(ids) == len(variants) + 1, "two different runs would share averaging groups"
 
 
-def test_majority_fingerprint_is_the_same_for_every_member() -> None:
+def test_majority_fingerprint_is_the_same_for_every_member_and_a_tie_needs_outside_evidence() -> None:
     assert majority_fingerprint(["b", "a", "b"]) == "b"
-    # a tie goes to the smallest value, whatever order members list it in
-    assert majority_fingerprint(["b", "a"]) == majority_fingerprint(["a", "b"]) == "a"
+    # a liar claiming the smallest fingerprint does not win a group of two (H1): nobody is included ...
+    assert majority_fingerprint(["b", "0" * 32]) == majority_fingerprint(["0" * 32, "b"]) == ""
+    # ... unless the swarm's records vouch for one side of the tie
+    assert majority_fingerprint(["0" * 32, "b"], vouched=lambda: "b") == "b"
+    assert majority_fingerprint(["0" * 32, "b"], vouched=lambda: "c") == ""
+    assert majority_fingerprint(["a", "b", "b", "a", "c"], vouched=lambda: "a") == "a"
 
 
 def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def test_diloco_weights_its_mean_by_tokens_and_keeps_shared_momentum() -> None:
         late.load_shared_state([torch.full(s, float("inf")) for s in SHAPES])
 
 
-META = {"round": 3, "start_fp": "ab" * 16, "size": 1200, "digest": "cd" * 16, "tokens": 4096}
+META = {"round": 3, "start_fp": "ab" * 16, "size": 1200, "digest": "cd" * 16, "tokens": 4096, "proof": ""}
 
 
 @pytest.mark.parametrize(
@@ -93,6 +93,8 @@ META = {"round": 3, "start_fp": "ab" * 16, "size": 1200, "digest": "cd" * 16, "t
         {"digest": "not hex"},
         {"size": 0},  # a receiver announces no size, no digest and no tokens, all together
         {"extra": 1},
+        {"proof": "00"},
+        {"proof": None},
     ],
 )
 def test_malformed_gathered_metadata_leaves_its_member_out(change: dict) -> None:

@@ -317,6 +317,14 @@ def test_plan_contested_slot_lowest_id_wins_and_loser_is_placed() -> None:
     assert "kept it over x" in result.reasons["w"]
 
 
+def test_plan_contested_slot_goes_to_the_earlier_claim_not_the_lower_id() -> None:
+    """H2: an incumbent is not displaced by a later claimant, whatever its peer id (a low id is free to pick)."""
+    incumbent, late = holder("z", 0, 1, claimed_at=100.0), holder("a", 0, 1, claimed_at=250.0)
+    result = plan([holder("h0", 0, 0, claimed_at=90.0), late, incumbent], REQ)
+    assert result.slots["z"] == (0, 1) and result.slots["a"] != (0, 1)
+    assert "lost (vr 0, stage 1) to z (the earliest claim wins)" in result.reasons["a"]
+
+
 def test_plan_contest_loser_that_fits_nothing_gets_none() -> None:
     result = plan([holder("a", 0, 0), holder("b", 0, 0, mem_gb=1)], REQ)
     assert result.slots == {"a": (0, 0)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,24 @@ def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
         assert 0 < sent <= 3 * r[0]["dense_allreduce_bytes"] / 20
     assert any(r[t]["contributors"] == 3 for r in replicas for t in r), "the three never averaged together"
     assert replicas[0][2]["eval_loss"] < replicas[0][0]["eval_loss"] < 5.6  # ln(256) ≈ 5.55 at init
+
+
+def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a_keyless_joiner(
+    tmp_path: Path,
+) -> None:
+    key = tmp_path / "swarm.key"
+    subprocess.run([sys.executable, "-m", "hetero_node.client.cli", "swarm-key", str(key)], check=True)
+    with LocalSwarm(tmp_path) as swarm:
+        run_extra = {"swarm_key": str(key), "aggregation": "robust"}
+        peers = start_replicas(swarm, 2, tmp_path, rounds=2, run_extra=run_extra, swarm_key=str(key))
+        swarm.start("outsider", join_args(peers, 2, tmp_path))
+        assert swarm.wait("outsider", 120) == 1
+        assert "this swarm is private: pass --swarm-key" in swarm.log_path("outsider").read_text()
+        assert_all_exit_cleanly(swarm, ["r0", "r1"])
+    replicas = [rounds_of(tmp_path, i) for i in range(2)]
+    for t in range(2):
+        assert replicas[0][t]["fingerprints"] == replicas[1][t]["fingerprints"], f"round {t} disagrees"
+    assert any(r[t]["contributors"] == 2 for r in replicas for t in r), "the two never averaged together"
 
 
 def test_late_joiner_catches_up(tmp_path: Path) -> None:

@@ -113,3 +113,11 @@ def test_a_fingerprint_is_vouched_for_by_a_strict_majority_of_the_others_at_its_
     assert vouched_fingerprint(records, 6, "0", peer_id("x0")) == "c" * 32  # alone at its round
     assert vouched_fingerprint(records, 7, "0", peer_id("x0")) is None  # nobody there
     assert vouched_fingerprint(records, 5, "1", peer_id("x0")) is None  # nobody advertises shard 1
+
+
+def test_the_earlier_claim_holds_a_slot_whatever_the_peer_ids() -> None:
+    records = {
+        peer_id(name): peer_record(name, role=ROLE_STAGE, vr=0, stage=1, claimed_at=at)
+        for name, at in (("a9", 200.0), ("b0", 100.0))
+    }
+    assert names(slot_holders(records, 2)) == {(0, 1): "b0"}

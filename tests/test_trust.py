@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,11 +22,13 @@ from hivemind.p2p import P2P
 
 from hetero_node.client.outer.shard_state import ShardStates, state_fingerprint
 from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, MAX_STREAMS_PER_PEER, PeerRuntime, wire
+from hetero_node.protocol import socket_dir
 from hetero_node.protocol.errors import DaemonError, PayloadError
 from hetero_node.protocol.frames import MAX_FRAME_BYTES
 from hetero_node.protocol.keys import blob_handler_name
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL
+from hetero_node.protocol.swarm_key import is_member, member_proof
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
 
@@ -140,3 +147,62 @@ def test_one_peer_cannot_hold_every_upload_slot() -> None:
             assert (await opened("greedy").__anext__()).round == 1
 
         server.run(scenario(), timeout=60)
+
+
+def test_a_stopped_node_leaves_no_hivemind_sockets_and_a_killed_nodes_directory_is_cleared() -> None:
+    scratch = Path(tempfile.gettempdir())
+    before = set(scratch.glob("hivemind-*.sock"))
+    code = (
+        "import os\nfrom hetero_node.client.swarm import runtime\n"
+        "runtime.PeerRuntime([]).shutdown()\nprint(os.getpid())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert set(scratch.glob("hivemind-*.sock")) - before == set()  # nothing in /tmp itself
+    assert list(scratch.glob(f"{socket_dir.PREFIX}{done.stdout.strip()}-*")) == []  # its own directory is gone
+    dead = scratch / f"{socket_dir.PREFIX}999999999-test"  # what a SIGKILLed node leaves (no such pid)
+    dead.mkdir(exist_ok=True)
+    (dead / "hivemind-p2pclient-x.sock").touch()
+    mine = Path(tempfile.mkdtemp(prefix=f"{socket_dir.PREFIX}{os.getpid()}-"))
+    assert dead in socket_dir.remove_stale(scratch)
+    assert not dead.exists() and mine.is_dir()  # a live process keeps its directory
+    mine.rmdir()
+
+
+def test_a_private_swarm_keeps_out_a_peer_that_knows_its_address_but_not_its_key() -> None:
+    key = os.urandom(32)
+    members = [PeerRuntime([], swarm_key=key)]
+    entry = [str(members[0].dht.get_visible_maddrs()[0])]
+    members.append(PeerRuntime(entry, swarm_key=key))
+    outsider, forger = PeerRuntime(entry), PeerRuntime(entry, swarm_key=os.urandom(32))  # no key, a wrong key
+    everyone = [*members, outsider, forger]
+    try:
+        for runtime in everyone:
+            runtime.join_run(RUN_ID)
+            pid = str(runtime.peer_id)
+            fields = record_fields(pid, member_proof=member_proof(runtime.swarm_key, pid))
+            runtime.announce(PeerRecord(**fields), refresh_s=2.0)
+        # the outsider also copies a member's proof into its own record: the proof is bound to the member's id
+        stolen = record_fields(str(outsider.peer_id), member_proof=member_proof(key, str(members[0].peer_id)))
+        outsider.announce(PeerRecord(**stolen), refresh_s=2.0)
+        wanted = {str(m.peer_id) for m in members}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and set(members[1].read_records() or {}) != wanted:
+            time.sleep(0.5)
+        time.sleep(3)  # time for the outsiders' stores to arrive, if anything accepted them
+        assert set(members[0].read_records() or {}) == set(members[1].read_records() or {}) == wanted
+        members[0].publish("msg:ab", 0, 1, b"weights")
+        assert members[1].fetch(members[0].peer_id, "msg:ab", 0, 1, max_size=100, timeout=10) == (1, b"weights")
+        for intruder in (outsider, forger):
+            with pytest.raises(Exception, match="not a member"):
+                intruder.fetch(members[0].peer_id, "msg:ab", 0, 1, max_size=100, timeout=10)
+    finally:
+        for runtime in everyone:
+            runtime.shutdown()
+
+
+def test_a_member_proof_is_bound_to_its_peer_id() -> None:
+    key = os.urandom(32)
+    assert is_member(key, "peer-a", member_proof(key, "peer-a"))
+    assert not is_member(key, "peer-b", member_proof(key, "peer-a")) and not is_member(key, "peer-a", "")
+    assert not is_member(key, "peer-a", None) and is_member(None, "peer-a", "")  # a public swarm admits anyone

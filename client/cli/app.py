@@ -253,6 +253,15 @@ def join(
         run_node(configs, explicit, node, timeouts, role.value, stage, on_status=status_line.update, on_round=show)
 
 
+@app.command("swarm-key")
+def swarm_key(path: Path = typer.Argument(..., help="Where to write the new key (never overwritten).")) -> None:
+    """Make a key for a private swarm: give it to the bootstrap and to every peer (--swarm-key); keep it secret."""
+    from hetero_node.protocol.swarm_key import create_swarm_key
+
+    create_swarm_key(path)
+    console.print(f"wrote a new swarm key to {path}", markup=False, highlight=False)
+
+
 @app.command()
 def status(
     peers: list[str] = typer.Option(..., "--peers", help="Multiaddr of the bootstrap (or any peer of the swarm)."),

@@ -28,6 +28,7 @@ from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import REQUEST_FULL, REQUEST_STAGE, ROLE_FULL, ROLE_JOINING
 from hetero_node.protocol.run_config import RunConfig
+from hetero_node.protocol.swarm_key import load_swarm_key, member_proof
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def _initial_record(
         pinned_stage=pinned_stage,
         stage=-1,
         vr=-1,
+        claimed_at=0.0,
         round=0,
         train_round=-1,
         deadline=0.0,
@@ -69,6 +71,7 @@ def _initial_record(
         fingerprints={},
         view="",
         refresh_s=float(node.record_refresh_s),
+        member_proof=member_proof(runtime.swarm_key, str(runtime.peer_id)),
     )
 
 
@@ -97,7 +100,8 @@ def run_node(
     from hetero_node.client.roles.full_replica import FullReplica  # after the cheap checks: torch-heavy
     from hetero_node.client.roles.stage_peer import StagePeer
 
-    runtime = PeerRuntime(node.peers, node.host, node.port, node.identity)
+    swarm_key = load_swarm_key(node.swarm_key) if node.swarm_key is not None else None
+    runtime = PeerRuntime(node.peers, node.host, node.port, node.identity, swarm_key=swarm_key)
     stop = threading.Event()
     leave_on_signals(stop)
     membership = None
@@ -105,6 +109,8 @@ def run_node(
         on_status("reading the run announcement")
         announcement = fetch_run_announcement(runtime)
         if announcement is not None:
+            if announcement.private and swarm_key is None:
+                raise ConfigError("this swarm is private: pass --swarm-key FILE with the key its operator gave you")
             run, store = adopt_announced_run(announcement, configs, explicit)
         else:
             logger.warning("no peer in --peers announces a run; using this node's own run options")

@@ -53,6 +53,7 @@ from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import RunConfig
+from hetero_node.protocol.swarm_key import PROOF_PATTERN, is_member, member_proof
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ MOVED_ON_POLL_S = 1.0
 """While looking for a group, check this often whether the others finished the round without us."""
 MAX_TOKENS = 1 << 40
 HEX = re.compile(r"^[0-9a-f]{8,64}$")
+PROOF = re.compile(PROOF_PATTERN)
 
 
 def message_kind(digest: str) -> str:
@@ -85,6 +87,8 @@ class GroupMeta:
     digest: str
     tokens: int
     """Tokens it trained this round: the weight of its message."""
+    proof: str
+    """Its member proof in a private swarm ("" in a public one): the group leaves out members without one."""
 
     def to_wire(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -93,7 +97,9 @@ class GroupMeta:
     def parse(cls, raw: Any, max_size: int) -> GroupMeta | None:
         """A peer's gathered metadata, or None when any field is missing, mistyped or out of range (a malformed
         member is left out of the round; it must never crash the others)."""
-        if not isinstance(raw, dict) or set(raw) != {"round", "start_fp", "size", "digest", "tokens"}:
+        if not isinstance(raw, dict) or set(raw) != {"round", "start_fp", "size", "digest", "tokens", "proof"}:
+            return None
+        if not (isinstance(raw["proof"], str) and PROOF.match(raw["proof"])):
             return None
         ints = [raw["round"], raw["size"], raw["tokens"]]
         if any(type(v) is not int for v in ints) or not (0 <= raw["round"] <= 10**9):
@@ -154,11 +160,19 @@ class ShardOutcome:
     bytes_received: int = 0
 
 
-def majority_fingerprint(fingerprints: list[str]) -> str:
-    """The most common start fingerprint; ties go to the smallest string so every member picks the same one."""
+def majority_fingerprint(fingerprints: list[str], vouched: Callable[[], str | None] = lambda: None) -> str:
+    """The most common start fingerprint of a group; "" (nobody is included) when a tie cannot be broken.
+
+    A tie is broken only by outside evidence, `vouched()`: the fingerprint a strict majority of the swarm's records
+    hold at that round. Never by the fingerprints themselves: a rule like "the smallest string wins" lets a liar
+    claiming 000… win every group of two."""
     counts = Counter(fingerprints)
     best = max(counts.values())
-    return min(fp for fp, n in counts.items() if n == best)
+    tied = [fp for fp, n in counts.items() if n == best]
+    if len(tied) == 1:
+        return tied[0]
+    outside = vouched()
+    return outside if outside in tied else ""
 
 
 def encode_manifest(round_: int, start_fp: str, result_fp: str, members: Sequence[tuple[str, str, int]]) -> bytes:
@@ -235,6 +249,10 @@ class ShardSync:
     def me(self) -> str:
         return str(self.runtime.peer_id)
 
+    @property
+    def proof(self) -> str:
+        return member_proof(self.runtime.swarm_key, self.me)
+
     # -------------------------------------------------------------------------------------------------- begin
 
     def contribution(
@@ -243,9 +261,9 @@ class ShardSync:
         """Encode this round's message (`deltas` None: receive only) and serve it; PayloadError when Δ is unusable
         (nothing changed then)."""
         if deltas is None or tokens <= 0:
-            return PendingRound(round_, start, GroupMeta(round_, start_fp, 0, "", 0), None)
+            return PendingRound(round_, start, GroupMeta(round_, start_fp, 0, "", 0, self.proof), None)
         encoded = self.method.encode(deltas)
-        meta = GroupMeta(round_, start_fp, len(encoded.payload), digest(encoded.payload), tokens)
+        meta = GroupMeta(round_, start_fp, len(encoded.payload), digest(encoded.payload), tokens, self.proof)
         self.runtime.publish(PAYLOAD, self.shard, round_, encoded.payload)
         return PendingRound(round_, start, meta, encoded.payload, encoded.snapshot)
 
@@ -272,11 +290,14 @@ class ShardSync:
 
     # ------------------------------------------------------------------------------------------------- finish
 
-    def finish(self, pending: PendingRound, swarm_moved_on: Callable[[], bool]) -> ShardOutcome:
+    def finish(
+        self, pending: PendingRound, swarm_moved_on: Callable[[], bool], vouched: Callable[[], str | None]
+    ) -> ShardOutcome:
         """Wait for the group, then compute θ(t+1) exactly as every other member does (safe in a worker thread).
 
         While still looking for a group, `swarm_moved_on` is polled: once the others finished this round without
-        us, waiting longer cannot help, so matchmaking is cancelled at once.
+        us, waiting longer cannot help, so matchmaking is cancelled at once. `vouched` breaks a tie of start
+        fingerprints (see `majority_fingerprint`).
         """
         from hivemind.averaging.control import AveragingStage
 
@@ -295,12 +316,12 @@ class ShardSync:
             logger.warning("shard %d round %d: no averaging group (%r)", self.shard, pending.round, e)
             return ShardOutcome(new_tensors=None)
         members = self._members(gathered, pending.round)
-        majority = majority_fingerprint([m.meta.start_fp for m in members]) if members else ""
+        majority = majority_fingerprint([m.meta.start_fp for m in members], vouched) if members else ""
         included = [m for m in members if m.meta.start_fp == majority]
         if not any(m.name == self.me for m in included):
             logger.error(
                 "shard %d round %d: my start fingerprint %s differs from the group's %s; catching up from peers",
-                self.shard, pending.round, pending.meta.start_fp, majority,
+                self.shard, pending.round, pending.meta.start_fp, majority or "(a tie no record majority breaks)",
             )  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(gathered))
         return self._exchange(pending, included, len(gathered))
@@ -310,6 +331,10 @@ class ShardSync:
         members = []
         for pid, raw in gathered.items():
             meta = GroupMeta.parse(raw, self.method.max_message_bytes)
+            if meta is not None and not is_member(self.runtime.swarm_key, str(pid), meta.proof):
+                logger.warning("shard %d round %d: leaving out %s (not a member of this private swarm)",
+                               self.shard, round_, pid)  # fmt: skip
+                continue
             if meta is None or meta.round != round_:
                 logger.warning(
                     "shard %d round %d: leaving out %s (malformed or foreign metadata)", self.shard, round_, pid

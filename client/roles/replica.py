@@ -495,9 +495,16 @@ class Replica(ABC):
                 expected = view.expected_group_size(records, t, shard, stages)
                 self.syncs[shard].begin(pending, expected, scheduled)
             for shard, pending in pendings.items():
-                futures[shard] = self._executor.submit(self.syncs[shard].finish, pending, self.moved_on(t, shard))
+                futures[shard] = self._executor.submit(
+                    self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
+                )
         cutoff = {s: [p.detach().clone() for p in ps] for s, ps in self.params.items()} if self.overlap else None
         self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=time.perf_counter() - started)
+
+    def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
+        """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)
+        hold: what breaks a tie inside a group."""
+        return lambda: view.vouched_fingerprint(self.records(timeout=1.0), t, str(shard), me="")
 
     def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
         """Whether the shard's other members finished round t without us: more of them hold a later round than

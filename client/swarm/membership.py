@@ -1,10 +1,11 @@
 """A node's place in the swarm: its signed record, its role, its pipeline slot, and its view of the plan.
 
 Joining: publish a record with role "joining" → wait for records to propagate → run the planner on every live
-record → publish the decision (full, or a claimed (vr, stage) slot) → wait again and re-read: a slot that a
-lower peer id also claims is lost, and the planner places us again. Afterwards a watcher re-reads the records
-every refresh: it keeps `view` (the digest of the plan this node sees) current, so everyone can check that all
-nodes agree, and it re-plans a stage peer that lost its slot.
+record → publish the decision (full, or a claimed (vr, stage) slot with the time of the claim) → wait again and
+re-read: a slot that someone claimed earlier (or at the same time, with a lower peer id) is lost, and the planner
+places us again. Afterwards a watcher re-reads the records every refresh: it keeps `view` (the digest of the plan
+this node sees) current, so everyone can check that all nodes agree, and it re-plans a stage peer that lost its
+slot.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any
+
+from hivemind.utils import get_dht_time
 
 from hetero_node.client.swarm.planner import PeerInfo, Plan, Requirements, plan
 from hetero_node.client.swarm.runtime import PeerRuntime
@@ -37,6 +40,7 @@ def peer_info(record: PeerRecord) -> PeerInfo:
         stage=record.stage,
         requested_role=record.requested_role,
         pinned_stage=record.pinned_stage,
+        claimed_at=record.claimed_at,
     )
 
 
@@ -84,15 +88,17 @@ class Membership:
         if role is None:
             raise ConfigError(f"this node cannot take part in the run: {current.reasons.get(self.me, 'no reason')}")
         vr, stage = current.slots.get(self.me, (-1, -1))
-        self.update(role=role, vr=vr, stage=stage)
+        same = role == ROLE_STAGE and (vr, stage) == self.slot and self.record.claimed_at > 0
+        claimed_at = self.record.claimed_at if same else get_dht_time() if vr >= 0 else 0.0
+        self.update(role=role, vr=vr, stage=stage, claimed_at=claimed_at)
 
     def _contested(self, records: dict[str, PeerRecord]) -> bool:
-        """Someone with a lower peer id holds our slot: they keep it (the planner's rule), we move."""
+        """Someone claimed our slot earlier (or at the same time, with a lower peer id): they keep it, we move."""
         if self.role != ROLE_STAGE:
             return False
-        slot = (self.record.vr, self.record.stage)
+        mine = (self.record.claimed_at, self.me)
         return any(
-            r.role == ROLE_STAGE and (r.vr, r.stage) == slot and pid < self.me
+            r.role == ROLE_STAGE and (r.vr, r.stage) == self.slot and (r.claimed_at, pid) < mine
             for pid, r in records.items()
             if pid != self.me
         )
@@ -112,7 +118,7 @@ class Membership:
             self.stop.wait(self.settle_s)
             if not self._contested(self._records()):
                 break
-            logger.info("slot vr %d stage %d is held by a lower peer id; planning again", *self.slot)
+            logger.info("slot vr %d stage %d was claimed earlier by another peer; planning again", *self.slot)
         else:
             raise ConfigError(f"could not claim a pipeline slot after {max_attempts} attempts")
         logger.info("role %s%s: %s", self.role, self._slot_text(), current.reasons.get(self.me, ""))
@@ -131,7 +137,7 @@ class Membership:
         records = self._records()
         current = plan_from_records(records, self.req)
         if self._contested(records):
-            logger.warning("lost slot vr %d stage %d to a lower peer id; planning again", *self.slot)
+            logger.warning("lost slot vr %d stage %d to an earlier claim; planning again", *self.slot)
             self._apply(current)
             return
         if current.digest() != self.record.view:

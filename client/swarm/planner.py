@@ -3,8 +3,9 @@
 Every node reads the live records from the DHT, runs `plan` on them and acts on its own entry. `plan` is a pure,
 deterministic function of the records (no clock, no randomness, input order irrelevant), so nodes that see the same
 records reach the same assignment. Records propagate with delay, so two nodes can still claim one slot; the next plan
-settles it: the lowest peer id keeps the slot and the others are placed again. Roles, once taken, are sticky and a
-node holding a slot is never moved, so a plan only ever adds: it places nodes that are joining or lost a contest.
+settles it: the earliest claim (then the lowest peer id) keeps the slot and the others are placed again. Roles, once
+taken, are sticky and a node holding a slot is never moved, so a plan only ever adds: it places nodes that are
+joining or lost a contest.
 
 Placement, in short (details on `plan`): complete the virtual replicas (VRs) that are closest to complete, pair nodes
 with similar links in one VR (a pipeline runs at its slowest link), keep the stages balanced, and open a new VR only
@@ -72,6 +73,12 @@ class PeerInfo:
     stage: int = -1
     requested_role: str = REQUEST_AUTO  # "auto" | "full" | "stage" (the node's --role)
     pinned_stage: int = -1  # --stage N: only this stage
+    claimed_at: float = 0.0  # DHT time of this stage peer's claim on its slot: the earliest claim keeps a slot
+
+    @property
+    def claim_order(self) -> tuple[float, str]:
+        """Who keeps a contested slot: the earliest claim, then (same time) the lowest peer id."""
+        return self.claimed_at, self.peer_id
 
     @property
     def link_mbps(self) -> float:
@@ -252,9 +259,9 @@ def _placement_order(peer: PeerInfo, req: Requirements) -> tuple[int, float, str
 def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
     """Roles for joining peers and slots for stage peers that need one; everything already settled stays.
 
-    1. A stage peer with a valid slot keeps it; a slot claimed by several goes to the lowest peer id (plain string
-       comparison), the others stay stage peers and are placed again. A stage peer whose slot is invalid for this
-       run (vr < 0, stage out of range, or not its pin) is placed again too.
+    1. A stage peer with a valid slot keeps it; a slot claimed by several goes to the earliest claim (`claimed_at`,
+       then the lowest peer id), the others stay stage peers and are placed again. A stage peer whose slot is
+       invalid for this run (vr < 0, stage out of range, or not its pin) is placed again too.
     2. Full replicas stay full.
     3. Joining peers (any role other than full or stage) get a role from `decide_role`, in peer-id order. `replicas`
        starts as full replicas + VRs with at least one holder after step 1, and grows by one each time a joiner
@@ -282,7 +289,7 @@ def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
     reasons: dict[str, str] = {}
     to_place: list[PeerInfo] = []
 
-    # 1 + 2: settled peers. `ordered` is sorted, so each claim list is sorted and its first id wins.
+    # 1 + 2: settled peers; each claim list is sorted by claim order below, and its first id wins.
     claims: dict[tuple[int, int], list[str]] = {}
     for peer in ordered:
         if peer.role == ROLE_FULL:
@@ -295,13 +302,13 @@ def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
                 reasons[peer.peer_id] = f"stage: published slot (vr {peer.vr}, stage {peer.stage}) is not valid here"
                 to_place.append(peer)
     for (vr, stage), claimants in claims.items():
-        winner, losers = claimants[0], claimants[1:]
+        winner, *losers = sorted(claimants, key=lambda pid: by_id[pid].claim_order)
         slots[winner] = (vr, stage)
         reasons[winner] = f"stage: holds (vr {vr}, stage {stage})"
         if losers:
-            reasons[winner] += f"; kept it over {', '.join(losers)} (lowest peer id wins)"
+            reasons[winner] += f"; kept it over {', '.join(losers)} (the earliest claim wins)"
         for loser in losers:
-            reasons[loser] = f"stage: lost (vr {vr}, stage {stage}) to {winner} (lowest peer id wins)"
+            reasons[loser] = f"stage: lost (vr {vr}, stage {stage}) to {winner} (the earliest claim wins)"
             to_place.append(by_id[loser])
 
     # 3: joiners.

@@ -28,6 +28,8 @@ from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import PeerRecord, base_validators, parse_peer_record, run_validators
+from hetero_node.protocol.socket_dir import use_private_socket_dir
+from hetero_node.protocol.swarm_key import MemberProofValidator, is_member
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -45,6 +47,8 @@ KEPT_STATES = 2
 MAX_STREAMS_PER_PEER = 16
 """Blob streams one peer may hold open here at once; more are refused. An honest peer opens one per shard it
 fetches at a time (8 stages at most) plus a manifest; one that loops requests must not take every upload slot."""
+MEMBER_REREAD_S = 1.0
+"""Private swarms: an unknown peer asking for a blob makes us re-read the records at most this often."""
 
 
 def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
@@ -64,20 +68,32 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     return parsed
 
 
+MAX_RECORDS = 4096
+"""Records of one run a reader takes into account (hivemind answers a DHT get with at most 4 MiB; a record is
+well under 1 KB)."""
 MAX_RECORD_LIFETIME_S = 600.0
 """A record counts as live for at most this long past now, whatever expiration its writer chose (records are
 refreshed every few seconds; a far expiration would keep a dead or hostile peer in everyone's view)."""
 
 
-def latest_valid_records(found: dict[Any, tuple[Any, float]], now: float) -> dict[str, tuple[PeerRecord, float]]:
+def latest_valid_records(
+    found: dict[Any, tuple[Any, float]], now: float, swarm_key: bytes | None = None, limit: int = MAX_RECORDS
+) -> dict[str, tuple[PeerRecord, float]]:
     """(record, expiration) of the records that pass the schema and are signed by the key of the peer id they
-    claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery."""
+    claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery. In a
+    private swarm, so is one without a valid member proof. At most `limit`, the lowest peer ids (every reader
+    keeps the same ones), so a flood of records costs the planner a bounded amount."""
     best: dict[str, tuple[PeerRecord, float]] = {}
     for subkey, (value, expiration) in found.items():
         record = parse_peer_record(value)
         if record is None or owner_peer_id(subkey) != record.peer_id:
             continue
+        if not is_member(swarm_key, record.peer_id, record.member_proof):
+            continue
         best[record.peer_id] = (record, min(expiration, now + MAX_RECORD_LIFETIME_S))
+    if len(best) > limit:
+        logger.warning("%d peer records in the run; reading the first %d by peer id", len(best), limit)
+        best = {pid: best[pid] for pid in sorted(best)[:limit]}
     return best
 
 
@@ -102,6 +118,7 @@ class PeerRuntime:
         identity_path: Path | None = None,
         announce_maddrs: list[str] | None = None,
         client_mode: bool = False,
+        swarm_key: bytes | None = None,
     ) -> None:
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
@@ -114,6 +131,7 @@ class PeerRuntime:
             create_identity(identity)
         self.signer = RSASignatureValidator(load_identity(identity))  # one key: peer id and record signatures
         bound_hivemind_frames()
+        use_private_socket_dir()
         use_fork_start_method()
         try:
             self.dht = hivemind.DHT(
@@ -132,6 +150,11 @@ class PeerRuntime:
             if scratch is not None:  # p2pd has read the key by now (or failed): a temporary name leaves no file
                 shutil.rmtree(scratch, ignore_errors=True)
         self.initial_peers = peers
+        self.swarm_key = swarm_key
+        """A private swarm's key (`protocol/swarm_key.py`); None in a public swarm."""
+        self._members: set[str] = set()
+        """Peer ids whose records were in our last read: who may fetch blobs in a private swarm."""
+        self._members_read = 0.0
         self.run_id: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hetero-node-p2p", daemon=True)
@@ -154,6 +177,8 @@ class PeerRuntime:
         """Validate this run's peer records and (unless only watching) serve its blobs."""
         self.run_id = run_id
         self.dht.add_validators(run_validators(run_id))
+        if self.swarm_key is not None:
+            self.dht.add_validators([MemberProofValidator(self.swarm_key, peers_key(run_id))])
         if serve:
             self.run(
                 self.p2p.add_protobuf_handler(
@@ -221,8 +246,19 @@ class PeerRuntime:
                 return None if newest is None else (newest, rounds[newest])
             return (round_, rounds[round_]) if round_ in rounds else None
 
+    async def _is_member(self, peer: str) -> bool:
+        """In a private swarm, whether `peer`'s record (with a valid proof) is in the view; re-read at most every
+        `MEMBER_REREAD_S` for a peer we do not know yet (it may have just joined)."""
+        if self.swarm_key is None or peer in self._members:
+            return True
+        if time.monotonic() - self._members_read > MEMBER_REREAD_S:
+            await asyncio.get_running_loop().run_in_executor(None, self.read_records, 2.0)
+        return peer in self._members
+
     async def _serve_blob(self, request: Any, context: Any) -> AsyncIterator[Any]:
         peer = str(context.remote_id)
+        if not await self._is_member(peer):
+            raise PayloadError(f"{peer} is not a member of this private swarm")
         if self._open_streams[peer] >= MAX_STREAMS_PER_PEER:  # the counter lives on the event loop: no lock
             raise PayloadError(f"{peer} already holds {MAX_STREAMS_PER_PEER} blob streams open here")
         self._open_streams[peer] += 1
@@ -326,7 +362,11 @@ class PeerRuntime:
         from hivemind.utils import get_dht_time
 
         found = self._get(peers_key(self.run_id), timeout)
-        return None if found is None else latest_valid_records(found, get_dht_time())
+        if found is None:
+            return None
+        records = latest_valid_records(found, get_dht_time(), self.swarm_key)
+        self._members, self._members_read = set(records), time.monotonic()
+        return records
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""

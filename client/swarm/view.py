@@ -19,10 +19,10 @@ def full_replicas(records: Records) -> Records:
 
 
 def slot_holders(records: Records, n_stages: int) -> dict[tuple[int, int], str]:
-    """(vr, stage) → the peer holding it; of two records claiming one slot the lower peer id wins (the planner's
-    rule), so the other is about to move."""
+    """(vr, stage) → the peer holding it; of two records claiming one slot the earlier claim wins (then the lower
+    peer id: the planner's rule), so the other is about to move."""
     holders: dict[tuple[int, int], str] = {}
-    for pid, r in sorted(records.items()):
+    for pid, r in sorted(records.items(), key=lambda item: (item[1].claimed_at, item[0])):
         if r.role == ROLE_STAGE and r.vr >= 0 and 0 <= r.stage < n_stages:
             holders.setdefault((r.vr, r.stage), pid)
     return holders

@@ -1,0 +1,91 @@
+"""Private swarms: a shared secret only authorised peers hold (`--swarm-key FILE`, made by `hetero-node swarm-key`).
+
+libp2p's private networks (a pre-shared key on every connection) are not exposed by hivemind's p2pd, so membership
+is proved where hetero-node reads and serves things: a member's proof is HMAC-SHA256(key, peer id). A peer id is
+bound to its libp2p identity (a record is signed by that key, streams and averaging groups authenticate it), so a
+proof read from the DHT is worth nothing to anyone else. With a key:
+
+* a peer's record carries its proof; DHT nodes refuse to store a record without a valid one (`MemberProofValidator`)
+  and readers drop it, so an outsider never appears in anyone's view (no role, no slot, no neighbour);
+* blobs (messages, manifests, states) are served only to peers whose record is in the view;
+* averaging groups leave out members whose gathered metadata carries no valid proof (every member sees the same
+  metadata, so all leave out the same ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+from hetero_node.protocol.errors import ConfigError
+
+KEY_BYTES = 32
+PROOF_PATTERN = r"^([0-9a-f]{64})?$"
+"""A proof in a record or group metadata: 64 hex digits, or "" in a public swarm."""
+
+
+def create_swarm_key(path: Path) -> None:
+    """Write a new random key as hex, readable by its owner only; refuse to overwrite one."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"{path} already exists: a swarm key is never overwritten") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(KEY_BYTES) + "\n")
+
+
+def load_swarm_key(path: Path) -> bytes:
+    """The key in `path` (hex, as `create_swarm_key` writes it); ConfigError saying what is wrong otherwise."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--swarm-key {path}: cannot read it ({e})") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"--swarm-key {path}: not a hex key (make one with `hetero-node swarm-key FILE`)") from None
+    if len(key) < KEY_BYTES:
+        raise ConfigError(f"--swarm-key {path}: {len(key)} bytes; a key has at least {KEY_BYTES}")
+    return key
+
+
+def member_proof(key: bytes | None, peer_id: str) -> str:
+    """This peer's proof of membership ("" without a key)."""
+    return "" if key is None else hmac.new(key, peer_id.encode(), hashlib.sha256).hexdigest()
+
+
+def is_member(key: bytes | None, peer_id: Any, proof: Any) -> bool:
+    """Whether `proof` proves `peer_id` holds the key (always true without a key: a public swarm)."""
+    if key is None:
+        return True
+    if not (isinstance(peer_id, str) and isinstance(proof, str)):
+        return False
+    return hmac.compare_digest(member_proof(key, peer_id), proof)
+
+
+class MemberProofValidator(RecordValidatorBase):
+    """Refuses to store, under one run's peers key, a record without a valid member proof (module level: hivemind
+    pickles validators into its DHT process)."""
+
+    def __init__(self, key: bytes, peers_key: str) -> None:
+        self.key, self.key_id = key, DHTID.generate(source=peers_key).to_bytes()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self.key_id:
+            return True
+        try:
+            value = DHTProtocol.serializer.loads(record.value)
+        except Exception:  # whatever the bytes are, they are not a member's record
+            return False
+        return isinstance(value, dict) and is_member(self.key, value.get("peer_id"), value.get("member_proof"))
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return False
