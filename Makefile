@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine clean
+.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine bench-fuzz clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -48,6 +48,10 @@ bench-kills: venv data
 # Finite, well-formed attacks on the outer step under the mean and the robust rule (one process; about 30 min).
 bench-byzantine: venv data
 	$(BIN)/hetero-node bench-byzantine --seeds 2 --out bench/results/byzantine
+
+# 10^5 structure-aware malformed inputs against every parser a peer's bytes reach (about 20 s).
+bench-fuzz: venv
+	$(BIN)/hetero-node bench-fuzz --out bench/results/fuzz
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

@@ -203,3 +203,15 @@ class ByzantineConfig:
     @property
     def honest_sizes(self) -> list[int]:
         return [int(n) for n in self.honest.split(",") if n]
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    """How many malformed inputs, from which seed; the default 10⁵ take about 20 s."""
+
+    cases: int = field(default=100_000, metadata={"help": "Inputs in all, split evenly over the entry points."})
+    seed: int = field(default=0, metadata={"help": "Seed of the mutations."})
+    out: Path = field(default=Path("bench/results/fuzz"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "cases")

@@ -128,13 +128,26 @@ def run_validators(run_id: str) -> list[Any]:
     return [SchemaValidator(_PeersKey, prefix=run_prefix(run_id))]
 
 
+def _strict_parse(model: type[pydantic.BaseModel], value: Any) -> Any:
+    """`value` as `model` without any type conversion, or None (pydantic raises TypeError, not a validation error,
+    on a dict whose keys are not strings: msgpack allows them)."""
+    if not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+        return None
+    try:
+        parsed = model.parse_obj(value)
+    except (pydantic.ValidationError, TypeError, ValueError):
+        return None
+    return parsed if parsed.dict() == value else None
+
+
 def parse_peer_record(value: Any) -> PeerRecord | None:
     """A record read from the DHT, re-checked here (a stock node on the path may not validate); None if invalid."""
-    try:
-        record = PeerRecord.parse_obj(value)
-    except pydantic.ValidationError:
-        return None
-    return record if record.dict() == value else None
+    return _strict_parse(PeerRecord, value)
+
+
+def parse_run_announcement(value: Any) -> RunAnnouncement | None:
+    """A bootstrap's run announcement read from the DHT, strictly checked; None if invalid."""
+    return _strict_parse(RunAnnouncement, value)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ from hetero_node.bench.config import (
     BenchConfig,
     ByzantineConfig,
     DDPWorkerConfig,
+    FuzzConfig,
     KillSoakConfig,
     RoundModesConfig,
 )
@@ -329,6 +330,20 @@ def bench_byzantine(cfg: ByzantineConfig) -> None:
     with Progress(console=err_console) as progress:
         report = run_byzantine(cfg, progress)
     console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("bench-fuzz")
+@expand_dataclass_options
+def bench_fuzz(cfg: FuzzConfig) -> None:
+    """Feed structure-aware malformed inputs to every parser a peer's bytes reach; count crashes (report.json and
+    report.md under --out; exits 1 if anything crashed)."""
+    from hetero_node.bench.fuzz import render_markdown, run_fuzz
+
+    with err_console.status(f"fuzzing with {cfg.cases:,} inputs"):
+        results = run_fuzz(cfg.cases, cfg.seed, cfg.out)
+    console.print(render_markdown(results), markup=False, highlight=False, soft_wrap=True)
+    if any(r.crashes for r in results.values()):
+        raise typer.Exit(1)
 
 
 @app.command("bench-rounds")

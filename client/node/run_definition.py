@@ -24,7 +24,7 @@ from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.keys import RUN_KEY_HANDLER
 from hetero_node.protocol.proto_build import load_proto_module
-from hetero_node.protocol.records import RunAnnouncement
+from hetero_node.protocol.records import RunAnnouncement, parse_run_announcement
 from hetero_node.protocol.run_config import (
     PROTOCOL_VERSION,
     OptimConfig,
@@ -131,25 +131,23 @@ def _explicit_conflicts(run: RunConfig, configs: dict[str, Any], explicit: set[s
     return conflicts
 
 
-def _check_versions(announcement: RunAnnouncement) -> None:
+def _check_versions(protocol_version: Any, software_version: Any) -> None:
+    """ConfigError naming the version to install when the swarm's protocol or release differs from ours."""
     ours = version("hetero-node")
-    if announcement.protocol_version != PROTOCOL_VERSION:
+    if protocol_version != PROTOCOL_VERSION:
         raise ConfigError(
-            f"the swarm speaks protocol {announcement.protocol_version}, this hetero-node {ours} speaks "
-            f"{PROTOCOL_VERSION}: install hetero-node {announcement.software_version}"
+            f"the swarm speaks protocol {protocol_version}, this hetero-node {ours} speaks "
+            f"{PROTOCOL_VERSION}: install hetero-node {software_version}"
         )
-    if announcement.software_version.split(".")[:2] != ours.split(".")[:2]:
-        raise ConfigError(
-            f"the swarm runs hetero-node {announcement.software_version}, this is {ours}: "
-            f"install hetero-node {announcement.software_version}"
-        )
+    if str(software_version).split(".")[:2] != ours.split(".")[:2]:
+        raise ConfigError(f"the swarm runs hetero-node {software_version}, this is {ours}: install that version")
 
 
 def adopt_announced_run(
     announcement: RunAnnouncement, configs: dict[str, Any], explicit: set[str]
 ) -> tuple[RunConfig, TokenStore]:
     """The announced run plus this node's token store, after every check in the module docstring."""
-    _check_versions(announcement)
+    _check_versions(announcement.protocol_version, announcement.software_version)
     run = RunConfig.from_dict(announcement.config)
     if run.run_id != announcement.run_id:
         raise ConfigError(f"the announced config hashes to {run.run_id}, not to its run id {announcement.run_id}")
@@ -197,7 +195,13 @@ def fetch_run_announcement(runtime: PeerRuntime, timeout_s: float = 15.0) -> Run
         while time.monotonic() < deadline:
             found = runtime.read_run_announcements() or {}
             if reply.public_key in found:
-                return RunAnnouncement.parse_obj(found[reply.public_key])
+                raw = found[reply.public_key]
+                announcement = parse_run_announcement(raw)
+                if announcement is None:  # an older or newer release's announcement says which one it is
+                    if isinstance(raw, dict):
+                        _check_versions(raw.get("protocol_version"), raw.get("software_version"))
+                    raise ConfigError(f"{peer_id} announces its run in a form this hetero-node cannot read")
+                return announcement
             time.sleep(0.5)
         raise ConfigError(f"{peer_id} runs {reply.run_id} but its signed run announcement is not in the DHT")
     return None
