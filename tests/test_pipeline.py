@@ -375,6 +375,22 @@ def test_inbox_refuses_malformed_and_unexpected_messages() -> None:
     assert len(box.queued()) == 3
 
 
+def test_inbox_refuses_a_stranger_after_the_first_piece_without_reading_the_rest() -> None:
+    box = Inbox()
+    payload = box.forward(3)
+    head = dict(kind=FORWARD, vr=VR, stage=STAGE, round=ROUND, step=0, microbatch=0, count=0)
+    read = []
+
+    async def stream() -> AsyncIterator[Any]:
+        for i in range(0, len(payload), 100):
+            read.append(i)
+            yield wire.StagePiece(total_size=len(payload), data=payload[i : i + 100], **(head if i == 0 else {}))
+
+    with pytest.raises(PayloadError, match="not the neighbour"):
+        asyncio.run(box.inbox.handle(stream(), SimpleNamespace(remote_id="peerX")))
+    assert read == [0] and box.queued() == [] and len(payload) > 1000  # one piece of many was read
+
+
 def test_inbox_refuses_a_second_copy_of_a_microbatch_under_another_count() -> None:
     """The header's `count` means something for eval only, yet it is part of the duplicate key: a forward for a
     microbatch that already arrived is accepted again when its (meaningless) count differs, so the stage would

@@ -118,7 +118,7 @@ class StageInbox:
         """P2P handler: receive one streamed message; raise (the sender gets the error) unless it is acceptable."""
         sender = str(context.remote_id)
         try:
-            header, payload, wire_bytes = await self._receive(requests)
+            header, payload, wire_bytes = await self._receive(requests, sender)
             deadline = time.monotonic() + SETTLE_S
             while self._may_settle(header) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -147,22 +147,31 @@ class StageInbox:
             h.round == expect.round + 1 or (h.round == expect.round and neighbour is None)
         )
 
-    async def _receive(self, requests: AsyncIterator[Any]) -> tuple[Header, bytes, int]:
-        """(header, payload, bytes on the stream) of one streamed message, refusing oversized or torn ones."""
-        first, pieces, received, wire_bytes = None, [], 0, 0
+    def _stranger(self, h: Header, sender: str) -> bool:
+        """A message for our current slot from someone other than the neighbour we expect it from."""
+        expect = self.expect
+        neighbour = expect.next if h.kind == BACKWARD else expect.previous
+        return (expect.vr, expect.stage) == (h.vr, h.stage) and neighbour is not None and sender != neighbour
+
+    async def _receive(self, requests: AsyncIterator[Any], sender: str) -> tuple[Header, bytes, int]:
+        """(header, payload, bytes on the stream) of one streamed message, refusing oversized or torn ones, and
+        one a stranger sends as soon as its header shows it (before reading the rest)."""
+        first, header, pieces, received, wire_bytes = None, None, [], 0, 0
         async for piece in requests:
             wire_bytes += piece.ByteSize()
             if first is None:
-                first = piece
+                first = p = piece
+                header = Header(p.kind, p.vr, p.stage, p.round, p.step, p.microbatch, p.count)
                 if piece.total_size > self._max_bytes():
                     raise PayloadError(f"stage message of {piece.total_size} bytes exceeds {self._max_bytes()}")
+                if self._stranger(header, sender):
+                    raise PayloadError(f"{sender} is not the neighbour this stage expects the message from")
             received += len(piece.data)
             if received > first.total_size:
                 raise PayloadError("stage message longer than its announced size")
             pieces.append(piece.data)
-        if first is None or received != first.total_size:
+        if first is None or header is None or received != first.total_size:
             raise PayloadError("truncated stage message")
-        header = Header(first.kind, first.vr, first.stage, first.round, first.step, first.microbatch, first.count)
         return header, b"".join(pieces), wire_bytes
 
     def _max_bytes(self) -> int:
