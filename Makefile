@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine bench-fuzz clean
+.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine bench-fuzz bench-soak clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -52,6 +52,10 @@ bench-byzantine: venv data
 # 10^5 structure-aware malformed inputs against every parser a peer's bytes reach (about 20 s).
 bench-fuzz: venv
 	$(BIN)/hetero-node bench-fuzz --out bench/results/fuzz
+
+# One hour of a fault-free local swarm: RSS, fds, threads per peer, and what is left after SIGTERM.
+bench-soak: venv data
+	$(BIN)/hetero-node bench-soak --out bench/results/soak
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

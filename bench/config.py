@@ -215,3 +215,21 @@ class FuzzConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "cases")
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """How long, with how many replicas; the default hour is the issue's soak (`--minutes 3` for a quick look)."""
+
+    minutes: float = field(default=60.0, metadata={"help": "How long the swarm runs."})
+    warmup_minutes: float = field(default=5.0, metadata={"help": "Growth is measured from this minute on."})
+    sample_s: float = field(default=30.0, metadata={"help": "Seconds between two samples of every peer."})
+    full: int = field(default=3, metadata={"help": "Full replicas."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset."})
+    round_s: float = field(default=4.0, metadata={"help": "Round length in seconds."})
+    out: Path = field(default=Path("bench/results/soak"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "minutes", "sample_s", "full", "round_s")
+        if not 0 <= self.warmup_minutes < self.minutes:
+            raise ConfigError(f"--warmup-minutes must be in [0, --minutes), got {self.warmup_minutes}")

@@ -37,14 +37,15 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 30.0
 
 
-def run_args(cfg: KillSoakConfig) -> list[str]:
+def run_args(preset: str, round_s: float) -> list[str]:
+    """A run that never ends by itself (the bench stops it), with time-boxed rounds of `round_s`."""
     return [
-        "--preset", cfg.preset, "--rounds", "100000", "--inner-steps", "30", "--round-s", str(cfg.round_s),
+        "--preset", preset, "--rounds", "100000", "--inner-steps", "30", "--round-s", str(round_s),
         "--batch-size", "8", "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
     ]  # fmt: skip
 
 
-def peer_args(cfg: KillSoakConfig, peers: str, name: str, workdir: Path, index: int) -> list[str]:
+def peer_args(peers: str, name: str, workdir: Path, index: int) -> list[str]:
     """A peer's `join` command line; the same after a restart (identity, checkpoints, metrics file)."""
     role = ["--role", "full"] if name.startswith("r") else ["--role", "stage", "--stage", name[-1]]
     return [
@@ -81,10 +82,10 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
     groups: list[int] = []
     started = time.monotonic()
     with LocalSwarm(workdir) as swarm:
-        peers = swarm.start_bootstrap(run_args(cfg))
+        peers = swarm.start_bootstrap(run_args(cfg.preset, cfg.round_s))
         current = {name: name for name in names}  # peer → the name of its running process (a restart gets a new one)
         for index, name in enumerate(names):
-            groups.append(swarm.start(name, peer_args(cfg, peers, name, workdir, index)).pid)
+            groups.append(swarm.start(name, peer_args(peers, name, workdir, index)).pid)
 
         def swarm_round() -> int:
             return max(max(rounds_of(workdir / f"{n}.jsonl"), default=-1) for n in names)
@@ -98,7 +99,7 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
             if fault == "kill":
                 swarm.stop(current[victim], sig=signal.SIGKILL)
                 current[victim] = f"{victim}.{number}"
-                args = peer_args(cfg, peers, victim, workdir, names.index(victim))
+                args = peer_args(peers, victim, workdir, names.index(victim))
                 groups.append(swarm.start(current[victim], args).pid)
             else:
                 pgid = swarm.processes[current[victim]].pid

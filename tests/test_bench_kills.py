@@ -35,8 +35,7 @@ def test_the_soak_counts_disagreements_hangs_recovery_and_leftovers(tmp_path: Pa
 
 
 def test_a_restarted_peer_keeps_its_identity_checkpoints_and_metrics(tmp_path: Path) -> None:
-    cfg = KillSoakConfig()
-    full, stage = peer_args(cfg, "/ip4/x", "r1", tmp_path, 1), peer_args(cfg, "/ip4/x", "vr0-s1", tmp_path, 4)
+    full, stage = peer_args("/ip4/x", "r1", tmp_path, 1), peer_args("/ip4/x", "vr0-s1", tmp_path, 4)
     assert full[full.index("--identity") + 1] == str(tmp_path / "r1.id")
     assert full[full.index("--role") + 1] == "full" and full[full.index("--metrics") + 1] == str(tmp_path / "r1.jsonl")
     assert stage[stage.index("--role") + 1 : stage.index("--role") + 4] == ["stage", "--stage", "1"]

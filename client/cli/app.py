@@ -29,6 +29,7 @@ from hetero_node.bench.config import (
     FuzzConfig,
     KillSoakConfig,
     RoundModesConfig,
+    SoakConfig,
 )
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.cli.demo import DemoConfig
@@ -344,6 +345,20 @@ def bench_fuzz(cfg: FuzzConfig) -> None:
     console.print(render_markdown(results), markup=False, highlight=False, soft_wrap=True)
     if any(r.crashes for r in results.values()):
         raise typer.Exit(1)
+
+
+@app.command("bench-soak")
+@expand_dataclass_options
+def bench_soak(cfg: SoakConfig) -> None:
+    """Run a local swarm for a long time and watch every peer's memory, file descriptors, threads and processes;
+    then stop it and count what is left behind (report.json and report.md under --out)."""
+    from rich.progress import Progress
+
+    from hetero_node.bench.soak import render_markdown, run_soak
+
+    with Progress(console=err_console) as progress:
+        report = run_soak(cfg, progress)
+    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("bench-rounds")
