@@ -13,9 +13,11 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from enum import StrEnum
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -305,18 +307,23 @@ def bench(cfg: BenchConfig) -> None:
     console.print(f"report: {path} and {path.with_suffix('.md')}", markup=False, highlight=False, soft_wrap=True)
 
 
+def _run_with_progress(run: Callable[[Any, Any], dict], render: Callable[[dict], str], cfg: Any) -> None:
+    """A long bench with a progress bar on stderr, then its report's Markdown on stdout."""
+    from rich.progress import Progress
+
+    with Progress(console=err_console) as progress:
+        report = run(cfg, progress)
+    console.print(render(report), markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command("bench-kills")
 @expand_dataclass_options
 def bench_kills(cfg: KillSoakConfig) -> None:
     """Kill (and restart) or freeze random peers of a local swarm through a long run; report agreement, waits,
     recovery and leftover processes (report.json and report.md under --out)."""
-    from rich.progress import Progress
-
     from hetero_node.bench.kill_soak import render_markdown, run_kill_soak
 
-    with Progress(console=err_console) as progress:
-        report = run_kill_soak(cfg, progress)
-    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
+    _run_with_progress(run_kill_soak, render_markdown, cfg)
 
 
 @app.command("bench-byzantine")
@@ -324,13 +331,9 @@ def bench_kills(cfg: KillSoakConfig) -> None:
 def bench_byzantine(cfg: ByzantineConfig) -> None:
     """Attack the outer step with finite, well-formed messages (in one process, the nodes' own code) and compare
     the honest replicas' eval loss under each aggregation rule (report.json and report.md under --out)."""
-    from rich.progress import Progress
-
     from hetero_node.bench.byzantine import render_markdown, run_byzantine
 
-    with Progress(console=err_console) as progress:
-        report = run_byzantine(cfg, progress)
-    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
+    _run_with_progress(run_byzantine, render_markdown, cfg)
 
 
 @app.command("bench-fuzz")
@@ -352,13 +355,9 @@ def bench_fuzz(cfg: FuzzConfig) -> None:
 def bench_soak(cfg: SoakConfig) -> None:
     """Run a local swarm for a long time and watch every peer's memory, file descriptors, threads and processes;
     then stop it and count what is left behind (report.json and report.md under --out)."""
-    from rich.progress import Progress
-
     from hetero_node.bench.soak import render_markdown, run_soak
 
-    with Progress(console=err_console) as progress:
-        report = run_soak(cfg, progress)
-    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
+    _run_with_progress(run_soak, render_markdown, cfg)
 
 
 @app.command("bench-rounds")
