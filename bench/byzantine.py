@@ -51,15 +51,23 @@ CLAIMED_TOKENS = 1000
 DEVICE = torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class WarmStart:
+    """The common start of every replica of a seed's runs, and how the model splits into parameter shards."""
+
+    trainer: InnerTrainer
+    shard_names: list[list[str]]
+
+
 class Member:
     """One replica of the lab: its model, inner optimizer, data shard and one outer method per parameter shard."""
 
-    def __init__(self, run: RunConfig, store: TokenStore, warm: dict[str, Any], data_shard: int) -> None:
-        self.model = copy.deepcopy(warm["model"])
-        self.trainer = InnerTrainer(self.model, run.optim, warm["total_steps"], DEVICE)
-        self.trainer.step = warm["steps"]
+    def __init__(self, run: RunConfig, store: TokenStore, warm: WarmStart, data_shard: int) -> None:
+        self.model = copy.deepcopy(warm.trainer.model)
+        self.trainer = InnerTrainer(self.model, run.optim, warm.trainer.total_steps, DEVICE)
+        self.trainer.step = warm.trainer.step  # the LR schedule goes on where the warm start stopped
         self.batches = ShardBatches(store, data_shard, run.data_shards, run.batch_size, run.seq_len, run.seed)
-        self.shard_names: list[list[str]] = warm["shard_names"]
+        self.shard_names = warm.shard_names
         self.shards = [shard_tensors(self.model, names) for names in self.shard_names]
         self.methods = [outer_method(run, [tuple(p.shape) for p in params]) for params in self.shards]
         self.fixed: list[SparseMessage] = []
@@ -146,19 +154,18 @@ def attacker_messages(attack: str, attacker: Member, start: list[list[torch.Tens
     return [fixed_top_message(t, m) for t, m in zip(attacker.fixed, honest, strict=True)]
 
 
-def warm_start(run: RunConfig, store: TokenStore, steps: int, total_steps: int) -> dict[str, Any]:
-    """One model trained `steps` steps on shard 0: the common start of every replica of a seed's runs."""
-    model = Transformer(get_preset(run.preset, vocab_size=run.vocab_size), seed=run.seed)
-    trainer = InnerTrainer(model, run.optim, total_steps, DEVICE)
+def warm_start(run: RunConfig, store: TokenStore, steps: int, total_steps: int) -> WarmStart:
+    """One model trained `steps` steps on its own data order, with an LR schedule of `total_steps`."""
+    preset = get_preset(run.preset, vocab_size=run.vocab_size)
+    trainer = InnerTrainer(Transformer(preset, seed=run.seed), run.optim, total_steps, DEVICE)
     batches = ShardBatches(store, 0, 1, run.batch_size, run.seq_len, run.seed + 1000)
     for i in range(steps):
         trainer.train_step(*batches.batch(i))
-    names = shard_parameter_names(get_preset(run.preset, vocab_size=run.vocab_size), run.outer.stages)
-    return {"model": model, "optim": run.optim, "steps": steps, "total_steps": total_steps, "shard_names": names}
+    return WarmStart(trainer, shard_parameter_names(preset, run.outer.stages))
 
 
 def run_cell(
-    run: RunConfig, store: TokenStore, warm: dict[str, Any], held_out: list, honest: int, attack: str | None,
+    run: RunConfig, store: TokenStore, warm: WarmStart, held_out: list, honest: int, attack: str | None,
     on_round: Callable[[], None],
 ) -> list[float]:  # fmt: skip
     """Eval loss of the honest replicas after each round of one (rule, group, attack) run."""
@@ -211,7 +218,7 @@ def run_byzantine(cfg: ByzantineConfig, progress: Progress) -> dict[str, Any]:
         total = cfg.warm_steps + cfg.rounds * cfg.inner_steps
         warm = warm_start(_run_config(cfg, tokenizer.vocab_size, store, seed, "mean"), store, cfg.warm_steps, total)
         held_out = val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-        start_loss = InnerTrainer(warm["model"], warm["optim"], total, DEVICE).evaluate(held_out)
+        start_loss = warm.trainer.evaluate(held_out)
         for rule in cfg.rule_list:
             run = _run_config(cfg, tokenizer.vocab_size, store, seed, rule)
             for (r, n, attack), cell in cells.items():

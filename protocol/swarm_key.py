@@ -42,8 +42,11 @@ def create_swarm_key(path: Path) -> None:
         f.write(secrets.token_hex(KEY_BYTES) + "\n")
 
 
-def load_swarm_key(path: Path) -> bytes:
-    """The key in `path` (hex, as `create_swarm_key` writes it); ConfigError saying what is wrong otherwise."""
+def load_swarm_key(path: Path | None) -> bytes | None:
+    """The key in `path` (hex, as `create_swarm_key` writes it), None without a path (a public swarm); ConfigError
+    saying what is wrong otherwise."""
+    if path is None:
+        return None
     try:
         text = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as e:

@@ -153,13 +153,16 @@ def test_a_stopped_node_leaves_no_hivemind_sockets_and_a_killed_nodes_directory_
     scratch = Path(tempfile.gettempdir())
     before = set(scratch.glob("hivemind-*.sock"))
     code = (
-        "import os\nfrom hetero_node.client.swarm import runtime\n"
-        "runtime.PeerRuntime([]).shutdown()\nprint(os.getpid())"
+        "import os\nfrom hetero_node.client.swarm import runtime\nfrom hetero_node.protocol import socket_dir\n"
+        "node = runtime.PeerRuntime([])\nprint(len(list(socket_dir.use_private_socket_dir().glob('*.sock'))))\n"
+        "node.shutdown()\nprint(os.getpid())"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert set(scratch.glob("hivemind-*.sock")) - before == set()  # nothing in /tmp itself
-    assert list(scratch.glob(f"{socket_dir.PREFIX}{done.stdout.strip()}-*")) == []  # its own directory is gone
+    sockets_while_running, pid = done.stdout.split()
+    assert int(sockets_while_running) >= 2  # hivemind's sockets were in the node's own directory ...
+    assert set(scratch.glob("hivemind-*.sock")) - before == set()  # ... none in /tmp itself
+    assert list(scratch.glob(f"{socket_dir.PREFIX}{pid}-*")) == []  # and the directory is gone
     dead = scratch / f"{socket_dir.PREFIX}999999999-test"  # what a SIGKILLed node leaves (no such pid)
     dead.mkdir(exist_ok=True)
     (dead / "hivemind-p2pclient-x.sock").touch()

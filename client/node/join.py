@@ -100,7 +100,7 @@ def run_node(
     from hetero_node.client.roles.full_replica import FullReplica  # after the cheap checks: torch-heavy
     from hetero_node.client.roles.stage_peer import StagePeer
 
-    swarm_key = load_swarm_key(node.swarm_key) if node.swarm_key is not None else None
+    swarm_key = load_swarm_key(node.swarm_key)
     runtime = PeerRuntime(node.peers, node.host, node.port, node.identity, swarm_key=swarm_key)
     stop = threading.Event()
     leave_on_signals(stop)

@@ -331,14 +331,14 @@ class ShardSync:
         members = []
         for pid, raw in gathered.items():
             meta = GroupMeta.parse(raw, self.method.max_message_bytes)
-            if meta is not None and not is_member(self.runtime.swarm_key, str(pid), meta.proof):
-                logger.warning("shard %d round %d: leaving out %s (not a member of this private swarm)",
-                               self.shard, round_, pid)  # fmt: skip
-                continue
             if meta is None or meta.round != round_:
                 logger.warning(
                     "shard %d round %d: leaving out %s (malformed or foreign metadata)", self.shard, round_, pid
                 )
+                continue
+            if not is_member(self.runtime.swarm_key, str(pid), meta.proof):
+                logger.warning("shard %d round %d: leaving out %s (not a member of this private swarm)",
+                               self.shard, round_, pid)  # fmt: skip
                 continue
             members.append(Member(str(pid), pid, meta))
         return sorted(members)

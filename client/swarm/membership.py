@@ -16,6 +16,7 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from hetero_node.client.swarm import view
 from hetero_node.client.swarm.planner import PeerInfo, Plan, Requirements, plan
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
@@ -88,20 +89,20 @@ class Membership:
         if role is None:
             raise ConfigError(f"this node cannot take part in the run: {current.reasons.get(self.me, 'no reason')}")
         vr, stage = current.slots.get(self.me, (-1, -1))
-        same = role == ROLE_STAGE and (vr, stage) == self.slot and self.record.claimed_at > 0
-        claimed_at = self.record.claimed_at if same else get_dht_time() if vr >= 0 else 0.0
+        if vr < 0:
+            claimed_at = 0.0  # no slot
+        elif self.record.claimed_at > 0 and (vr, stage) == self.slot:
+            claimed_at = self.record.claimed_at  # the slot we hold: keep the time we claimed it
+        else:
+            claimed_at = get_dht_time()
         self.update(role=role, vr=vr, stage=stage, claimed_at=claimed_at)
 
     def _contested(self, records: dict[str, PeerRecord]) -> bool:
-        """Someone claimed our slot earlier (or at the same time, with a lower peer id): they keep it, we move."""
+        """Someone else holds our slot by the planner's rule (an earlier claim, or the same time and a lower peer
+        id): they keep it, we move."""
         if self.role != ROLE_STAGE:
             return False
-        mine = (self.record.claimed_at, self.me)
-        return any(
-            r.role == ROLE_STAGE and (r.vr, r.stage) == self.slot and (r.claimed_at, pid) < mine
-            for pid, r in records.items()
-            if pid != self.me
-        )
+        return view.slot_holders(records, self.req.stages).get(self.slot, self.me) != self.me
 
     def settle(self, max_attempts: int = 20) -> Plan | None:
         """Decide our role and claim our slot (see the module docstring); returns the plan we acted on, or None
