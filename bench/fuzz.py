@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
+from hetero_node.bench.samples import record_fields
 from hetero_node.client.outer.shard_state import from_bytes, to_bytes
 from hetero_node.client.outer.shard_sync import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.protocol import boundary_codec, dense_codec, sparse_codec
@@ -94,16 +95,6 @@ def _run_config() -> dict[str, Any]:
     ).to_dict()  # fmt: skip
 
 
-def _record() -> dict[str, Any]:
-    return {
-        "peer_id": PEER, "addrs": [], "version": "0.1.0", "gpus": [], "cpu_cores": 2, "ram_gb": 8.0,
-        "memory_gb": 4.0, "upload_mbps": 50.0, "download_mbps": 50.0, "bandwidth_source": "override",
-        "tokens_per_s": 100.0, "role": "joining", "requested_role": "auto", "pinned_stage": -1, "stage": -1, "vr": -1,
-        "claimed_at": 0.0, "round": 0, "train_round": -1, "deadline": 0.0, "step_s": 0.0, "loss": None,
-        "fingerprints": {}, "view": "", "refresh_s": 2.0, "member_proof": "",
-    }  # fmt: skip
-
-
 def _announcement(raw: Any) -> Any:
     announcement = parse_run_announcement(raw)
     return None if announcement is None else RunConfig.from_dict(announcement.config)
@@ -145,7 +136,7 @@ ENTRY_POINTS = [
                lambda: {"round": 3, "start_fp": "ab" * 16, "size": 1200, "digest": "cd" * 16, "tokens": 64,
                         "proof": ""},
                lambda raw: GroupMeta.parse(raw, max_size=10**6), ()),
-    EntryPoint("peer record (DHT)", _record, parse_peer_record, ()),
+    EntryPoint("peer record (DHT)", lambda: record_fields(PEER), parse_peer_record, ()),
     EntryPoint("run announcement (DHT)",
                lambda: {"peer_id": PEER, "run_id": "0123456789abcdef", "software_version": "0.1.0",
                         "protocol_version": 4, "data_source": "bundled", "config": _run_config(), "private": False},

@@ -1,10 +1,12 @@
-"""Test data factories: a run config and peer records with valid defaults, changed only where a test says so."""
+"""Test data factories: a run config and peer records with valid defaults, changed only where a test says so
+(`record_fields` is the benches', re-exported)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from hetero_node.bench.samples import record_fields as record_fields  # re-exported for the tests
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig
 
@@ -36,18 +38,6 @@ def run_config(
 def peer_id(name: str) -> str:
     """A valid base58 peer id made from `name`: characters base58 lacks (0, O, I, l) are replaced, then padded."""
     return name.translate(str.maketrans("0OIl", "zQJL")).ljust(32, "x")
-
-
-def record_fields(pid: str, **changes: Any) -> dict[str, Any]:
-    """A schema-valid peer record as the DHT holds it, with `changes`."""
-    record = {
-        "peer_id": pid, "addrs": [], "version": "0.1.0", "gpus": [], "cpu_cores": 2, "ram_gb": 8.0,
-        "memory_gb": 4.0, "upload_mbps": 50.0, "download_mbps": 50.0, "bandwidth_source": "override",
-        "tokens_per_s": 100.0, "role": "joining", "requested_role": "auto", "pinned_stage": -1, "stage": -1, "vr": -1,
-        "claimed_at": 0.0, "round": 0, "train_round": -1, "deadline": 0.0, "step_s": 0.0, "loss": None,
-        "fingerprints": {}, "view": "", "refresh_s": 2.0, "member_proof": "",
-    }  # fmt: skip
-    return {**record, **changes}
 
 
 def peer_record(name: str, **changes: Any) -> PeerRecord:
