@@ -29,7 +29,7 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import KillSoakConfig
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.client.roles.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,9 @@ def run_args(preset: str, round_s: float) -> list[str]:
     ]  # fmt: skip
 
 
-def peer_args(peers: str, name: str, workdir: Path, index: int) -> list[str]:
+def peer_args(
+    peers: str, name: str, workdir: Path, index: int, host: str = "127.0.0.1", bandwidth_mbps: float = 1000
+) -> list[str]:
     """A peer's `join` command line; the same after a restart (identity, checkpoints, metrics file)."""
     role = ["--role", "full"] if name.startswith("r") else ["--role", "stage", "--stage", name[-1]]
     return [
@@ -53,7 +55,7 @@ def peer_args(peers: str, name: str, workdir: Path, index: int) -> list[str]:
         "--identity", str(workdir / f"{name}.id"), "--checkpoint-dir", str(workdir / f"{name}.ckpt"),
         "--metrics", str(workdir / f"{name}.jsonl"), "--matchmaking-s", "3", "--round-timeout-s", "20",
         "--fetch-timeout-s", "10", "--record-refresh-s", "3", "--stage-timeout-s", "10", "--settle-s", "1",
-        "--bandwidth-mbps", "1000", "--quiet",
+        "--host", host, "--bandwidth-mbps", f"{bandwidth_mbps:g}", "--quiet",
     ]  # fmt: skip
 
 
@@ -69,10 +71,7 @@ def p2pd_pids() -> set[int]:
 
 def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Run the scenario and return the report (also written to `out/report.json` and `report.md`)."""
-    workdir = cfg.out / "logs"
-    workdir.mkdir(parents=True, exist_ok=True)
-    for stale in workdir.glob("*.jsonl"):
-        stale.unlink()
+    workdir = fresh_dir(cfg.out / "logs")
     names = [f"r{i}" for i in range(cfg.full)] + [f"vr{v}-s{s}" for v in range(cfg.virtual) for s in range(2)]
     rng = random.Random(cfg.seed)
     faults = ["kill"] * cfg.kills + ["freeze"] * cfg.freezes
@@ -156,12 +155,7 @@ def analyse(
 ) -> dict[str, Any]:
     """The figures of the module docstring, from every peer's metrics."""
     per_peer = {name: rounds_of(workdir / f"{name}.jsonl") for name in names}
-    by_round: dict[int, dict[str, set[str]]] = {}
-    for records in per_peer.values():
-        for t, record in records.items():
-            for key, value in record["fingerprints"].items():
-                by_round.setdefault(t, {}).setdefault(key, set()).add(value)
-    disagreeing = sorted(t for t, shards in by_round.items() if any(len(fps) > 1 for fps in shards.values()))
+    disagreeing = disagreeing_rounds(per_peer)
     longest_wait = 20.0 + 10.0  # --round-timeout-s + --fetch-timeout-s above
     waits = [r["comm_s"] for records in per_peer.values() for r in records.values()]
     recoveries = []
@@ -173,7 +167,7 @@ def analyse(
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         "wall_s": round(wall_s, 1),
-        "rounds": max(by_round, default=-1) + 1,
+        "rounds": max((t for records in per_peer.values() for t in records), default=-1) + 1,
         "rounds_disagreeing": len(disagreeing),
         "disagreeing_rounds": disagreeing,
         "waits_past_deadline": sum(1 for w in waits if w > longest_wait),
@@ -194,6 +188,16 @@ def analyse(
         },
         "faults": recoveries,
     }
+
+
+def disagreeing_rounds(per_peer: dict[str, dict[int, dict[str, Any]]]) -> list[int]:
+    """Rounds in which two peers that completed them hold different weights for one shard."""
+    by_round: dict[int, dict[str, set[str]]] = {}
+    for records in per_peer.values():
+        for t, record in records.items():
+            for key, value in record["fingerprints"].items():
+                by_round.setdefault(t, {}).setdefault(key, set()).add(value)
+    return sorted(t for t, shards in by_round.items() if any(len(fps) > 1 for fps in shards.values()))
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -3,12 +3,15 @@
 Used by `hetero-node demo` and by the multi-peer tests, so both exercise exactly what a user runs. Each process
 gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child, averager
 children and p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans them).
+With `link_mbit`, every peer instead runs in a namespace of its own on a `tc tbf`-shaped link (bench/netns.py),
+which the long benches use to run the same scenario over home-like links.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,8 +19,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hetero_node.bench.netns import LabNode, NetLab
 from hetero_node.bootstrap.join_line import JOIN_LINE
 from hetero_node.protocol.errors import HeteroNodeError
+
+
+def fresh_dir(path: Path) -> Path:
+    """`path`, emptied: a bench's peers keep identities and checkpoints there, and a peer that found the last run's
+    checkpoint would resume from it instead of starting with the others."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
@@ -27,8 +39,10 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 class LocalSwarm:
     """A set of local peer processes with logs under `workdir`; use as a context manager."""
 
-    def __init__(self, workdir: Path, threads_per_peer: int = 1) -> None:
+    def __init__(self, workdir: Path, threads_per_peer: int = 1, link_mbit: float | None = None) -> None:
         self.workdir = workdir
+        self.link_mbit = link_mbit
+        self.lab: NetLab | None = None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen] = {}
         self.bootstrap_maddr: str | None = None
@@ -46,14 +60,27 @@ class LocalSwarm:
             signal.signal(signal.SIGTERM, _exit_on_signal)
         if self._previous[signal.SIGINT] == signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.link_mbit is not None:
+            self.lab = NetLab()
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.stop_all()
         finally:
+            if self.lab is not None:
+                self.lab.close()
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
+
+    def host(self, name: str) -> str:
+        """The address peer `name` listens on: loopback, or its own lab node's."""
+        return "127.0.0.1" if self.lab is None else self._lab_node(name).address
+
+    def _lab_node(self, name: str) -> LabNode:
+        """Peer `name`'s namespace and shaped link, made on first use."""
+        assert self.lab is not None and self.link_mbit is not None
+        return self.lab.nodes.get(name) or self.lab.add_node(name, self.link_mbit)
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
@@ -67,9 +94,12 @@ class LocalSwarm:
     ) -> subprocess.Popen:
         """Run `hetero-node ARGS` (or `PROGRAM ARGS`) as peer `name`, output to `<workdir>/<name>.log`;
         `preexec_fn` runs in the child first (e.g. to enter a CPU cgroup)."""
+        argv = [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args]
+        if self.lab is not None:  # `ip netns exec` execs the command: the pid and process group stay the peer's
+            argv = ["ip", "netns", "exec", self._lab_node(name).namespace, *argv]
         log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it; closed when the child is reaped
         process = subprocess.Popen(
-            [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,
@@ -84,7 +114,7 @@ class LocalSwarm:
         """Start a bootstrap announcing the run `run_args` define, on a free loopback port; returns its multiaddr
         once it printed the join line."""
         identity = self.workdir / "bootstrap.id"
-        command = ["bootstrap", "--host", "127.0.0.1", "--port", "0", "--identity", str(identity), *run_args]
+        command = ["bootstrap", "--host", self.host("bootstrap"), "--port", "0", "--identity", str(identity), *run_args]
         process = self.start("bootstrap", command)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

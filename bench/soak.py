@@ -1,10 +1,11 @@
-"""`hetero-node bench-soak`: a long, fault-free loopback run that watches each peer's resources.
+"""`hetero-node bench-soak`: a long, fault-free run that watches each peer's resources.
 
-A bootstrap and full replicas (real `hetero-node join` processes, as in `bench-kills`) train `tiny` in
-time-boxed rounds for `--minutes`. Every `--sample-s` the bench reads, for each peer's whole process group (the node,
-hivemind's DHT and averager children, p2pd), the resident memory (VmRSS summed over the group's processes: pages
-forked children share count once per process, so the level is high but its growth is what matters), open file
-descriptors, threads and processes from /proc. The report says, per peer:
+A bootstrap, full replicas and virtual replicas (real `hetero-node join` processes, as in `bench-kills`) train
+`tiny` in time-boxed rounds for `--minutes`, each peer in a network namespace of its own on a `--link-mbit`
+link shaped with `tc tbf` (or all on loopback with `--link-mbit 0`). Every `--sample-s` the bench reads, for
+each peer's whole process group (the node, hivemind's DHT and averager children, p2pd), the resident memory (VmRSS
+summed over the group's processes: pages forked children share count once per process, so the level is high but
+its growth is what matters), open file descriptors, threads and processes from /proc. The report says, per peer:
 
 * RSS growth from the end of the warm-up to the end (goal < 5%), and the largest RSS seen;
 * file descriptors, threads and processes at the end of the warm-up and at the end (goal: stable);
@@ -27,7 +28,9 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import SoakConfig
 from hetero_node.bench.kill_soak import STOP_TIMEOUT_S, p2pd_pids, peer_args, rounds_of, run_args
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
+from hetero_node.bench.netns import netns_unavailable_reason
+from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.socket_dir import PREFIX
 
 
@@ -65,18 +68,21 @@ def sample_group(pgid: int) -> dict[str, float]:
 
 def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Run the scenario; returns the report (also `out/report.json` and `report.md`)."""
-    workdir = cfg.out / "logs"
-    workdir.mkdir(parents=True, exist_ok=True)
-    for stale in workdir.glob("*.jsonl"):
-        stale.unlink()
-    names = [f"r{i}" for i in range(cfg.full)]
+    workdir = fresh_dir(cfg.out / "logs")
+    names = [f"r{i}" for i in range(cfg.full)] + [f"vr{v}-s{s}" for v in range(cfg.virtual) for s in range(2)]
+    if cfg.link_mbit and (reason := netns_unavailable_reason()):
+        raise ConfigError(f"shaped links need network namespaces: {reason}; run with --link-mbit 0 for loopback")
     tmp = Path(tempfile.gettempdir())
     sockets_before, p2pd_before = set(tmp.glob("hivemind-*.sock")), p2pd_pids()
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in [*names, "bootstrap"]}
     started = time.monotonic()
-    with LocalSwarm(workdir) as swarm:
+    link = cfg.link_mbit or None
+    with LocalSwarm(workdir, link_mbit=link) as swarm:
         peers = swarm.start_bootstrap(run_args(cfg.preset, cfg.round_s))
-        pgids = {name: swarm.start(name, peer_args(peers, name, workdir, i)).pid for i, name in enumerate(names)}
+        pgids = {
+            name: swarm.start(name, peer_args(peers, name, workdir, i, swarm.host(name), link or 1000)).pid
+            for i, name in enumerate(names)
+        }
         pgids["bootstrap"] = swarm.processes["bootstrap"].pid
         task = progress.add_task("soak", total=cfg.minutes * 60) if progress else None
         while (elapsed := time.monotonic() - started) < cfg.minutes * 60:
@@ -124,13 +130,14 @@ def analyse(
             "fds": [warm["fds"], last["fds"]], "threads": [warm["threads"], last["threads"]],
             "processes": [warm["processes"], last["processes"]],
         }  # fmt: skip
-    return {"minutes": cfg.minutes, "warmup_minutes": cfg.warmup_minutes, "peers": peers,
+    return {"minutes": cfg.minutes, "warmup_minutes": cfg.warmup_minutes, "link_mbit": cfg.link_mbit, "peers": peers,
             "processes_left_running": left_running, "files_left": left_files}  # fmt: skip
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"Soak: {report['minutes']} min, figures from minute {report['warmup_minutes']} (end of warm-up) to the end.\n",
+        f"Soak: {report['minutes']} min on {_links(report.get('link_mbit', 0))}, figures from minute "
+        f"{report['warmup_minutes']} (end of warm-up) to the end.\n",
         "| peer | rounds | RSS MB warm → end (growth) | peak RSS MB | fds | threads | processes | exit |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -144,3 +151,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(f"\nprocesses left running after SIGTERM: {report['processes_left_running']}; "
                  f"files left behind: {len(report['files_left'])}")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _links(link_mbit: float) -> str:
+    return f"{link_mbit:g} Mbit/s links (tc tbf)" if link_mbit else "loopback"
