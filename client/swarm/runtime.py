@@ -27,6 +27,7 @@ from hetero_node.protocol.identity import create_identity, load_identity, owner_
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
+from hetero_node.protocol.rate_limit import PeerBudget
 from hetero_node.protocol.records import PeerRecord, base_validators, parse_peer_record, run_validators
 from hetero_node.protocol.socket_dir import use_private_socket_dir
 from hetero_node.protocol.swarm_key import MemberProofValidator, is_member
@@ -47,6 +48,10 @@ KEPT_STATES = 2
 MAX_STREAMS_PER_PEER = 16
 """Blob streams one peer may hold open here at once; more are refused. An honest peer opens one per shard it
 fetches at a time (8 stages at most) plus a manifest; one that loops requests must not take every upload slot."""
+STATE_REQUESTS_PER_MINUTE = 60
+"""Whole states (and T_fixed tables) one peer may ask us for per minute: a 10-byte request makes us serialize and
+stream a shard, so a looping peer must not turn us into its amplifier (security review H5). An honest stage asks for
+T_fixed once per round and for states once per shard when it (re)loads, with retries."""
 MEMBER_REREAD_S = 1.0
 """Private swarms: an unknown peer asking for a blob makes us re-read the records at most this often."""
 
@@ -162,6 +167,7 @@ class PeerRuntime:
         self._blobs: dict[tuple[str, int], dict[int, bytes | Callable[[], bytes]]] = defaultdict(dict)
         self._blobs_lock = threading.Lock()
         self._open_streams: Counter[str] = Counter()
+        self._state_budget = PeerBudget(STATE_REQUESTS_PER_MINUTE, 60.0)
         self._dht_lock = threading.Lock()  # hivemind's DHT writes requests to one pipe without a lock of its own
         self._last_request = 0.0
         self.bytes_served_total = 0
@@ -261,6 +267,8 @@ class PeerRuntime:
             raise PayloadError(f"{peer} is not a member of this private swarm")
         if self._open_streams[peer] >= MAX_STREAMS_PER_PEER:  # the counter lives on the event loop: no lock
             raise PayloadError(f"{peer} already holds {MAX_STREAMS_PER_PEER} blob streams open here")
+        if request.kind in LATEST_KINDS and not self._state_budget.take(peer, 1):
+            raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
         self._open_streams[peer] += 1
         try:
             found = self._lookup(request.kind, request.shard, request.round)
