@@ -2,14 +2,17 @@
 
 Every member that completed round t serves its manifest (who contributed, with which digest and weight, the start
 fingerprint and the result's fingerprint) and re-serves the messages it aggregated. The late member fetches the
-manifest and the messages from one such peer, checks every digest, combines them with the run's outer method
-exactly as the group did, and accepts the result only if its fingerprint is the one the manifest states. That
-costs the round's messages (R × 0.0273·N bytes for SparseLoCo) instead of the shard's whole state (4·N bytes).
+manifests of up to `CORROBORATING_DONORS` such peers and keeps the result two of them state (every member of a group
+states the same one; a lone liar cannot name another), then fetches the messages from one donor that states it,
+checks every digest, combines them with the run's outer method exactly as the group did, and accepts the result
+only if its fingerprint is that one. A round only one donor answers for is taken on that donor's word (logged).
+That costs the round's messages (R × 0.0273·N bytes for SparseLoCo) instead of the shard's whole state (4·N bytes).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -39,24 +42,34 @@ class CaughtUp:
     """Peer id → digest of each message the round aggregated (a member can see whether its own was used)."""
 
 
+CORROBORATING_DONORS = 3
+"""Manifests fetched before any message: enough for two honest ones to outvote a liar among the first donors."""
+
+
 def catch_up_shard(
     sync: ShardSync, round_: int, start: list[Tensor], start_fp: str, donors: list[str], timeout_s: float
 ) -> CaughtUp | None:
     """θ(t+1) of `sync`'s shard from the manifest and messages of `round_`, served by the first of `donors` (peer
-    ids, best first) that has them and whose result checks out; None when none does."""
+    ids, best first) whose manifest states the corroborated result and whose messages rebuild it; None when none
+    does."""
     from hivemind.p2p import PeerID
 
     runtime, method = sync.runtime, sync.method
-    for donor in donors:
+    manifests = _manifests(sync, round_, start_fp, donors, timeout_s)
+    result_fp = _corroborated(manifests)
+    if not manifests:
+        return None
+    if result_fp is None:
+        logger.warning("round %d of shard %d: donors state different results %s", round_, sync.shard,
+                       sorted({m["result_fp"] for m, _ in manifests.values()}))  # fmt: skip
+        return None
+    for donor, (manifest, size) in manifests.items():
+        if manifest["result_fp"] != result_fp:
+            continue
         peer = PeerID.from_base58(donor)
         shared = [t.clone() for t in method.shared_state() or []]
         try:
-            _, data = runtime.fetch(peer, MANIFEST, sync.shard, round_, MAX_MANIFEST_BYTES, timeout_s)
-            manifest = parse_manifest(data, round_)
-            if manifest["start_fp"] != start_fp:
-                logger.info("round %d manifest of %s starts from %s, not ours", round_, donor, manifest["start_fp"])
-                continue
-            received, messages = len(data), []
+            received, messages = size, []
             for _, message_digest, _ in manifest["members"]:
                 _, blob = runtime.fetch(
                     peer, message_kind(message_digest), sync.shard, round_, method.max_message_bytes, timeout_s
@@ -73,7 +86,7 @@ def catch_up_shard(
                 if len(combined.used) != len(messages):
                     raise PayloadError("the manifest lists a message the rule drops")
                 new = method.update(start, combined)
-            if fingerprint(new) != manifest["result_fp"]:
+            if fingerprint(new) != result_fp:
                 raise PayloadError("the rebuilt state does not match the manifest's result fingerprint")
         except Exception as e:  # a bad donor is skipped, never trusted
             if shared:
@@ -86,3 +99,38 @@ def catch_up_shard(
         )  # fmt: skip
         return CaughtUp(new, received, donor, {name: d for name, d, _ in manifest["members"]})
     return None
+
+
+def _manifests(
+    sync: ShardSync, round_: int, start_fp: str, donors: list[str], timeout_s: float
+) -> dict[str, tuple[dict, int]]:
+    """The first `CORROBORATING_DONORS` donors' manifests of `round_` that start where we are, with their sizes."""
+    from hivemind.p2p import PeerID
+
+    found: dict[str, tuple[dict, int]] = {}
+    for donor in donors:
+        if len(found) == CORROBORATING_DONORS:
+            break
+        try:
+            _, data = sync.runtime.fetch(PeerID.from_base58(donor), MANIFEST, sync.shard, round_, MAX_MANIFEST_BYTES,
+                                         timeout_s)  # fmt: skip
+            manifest = parse_manifest(data, round_)
+        except Exception as e:  # no manifest (it was not in the round's group) or a bad one: ask the next donor
+            logger.info("no usable round %d manifest of shard %d from %s: %r", round_, sync.shard, donor, e)
+            continue
+        if manifest["start_fp"] != start_fp:
+            logger.info("round %d manifest of %s starts from %s, not ours", round_, donor, manifest["start_fp"])
+            continue
+        found[donor] = (manifest, len(data))
+    return found
+
+
+def _corroborated(manifests: dict[str, tuple[dict, int]]) -> str | None:
+    """The result fingerprint two manifests state (the most stated one); a lone manifest's own; else None."""
+    counts = Counter(manifest["result_fp"] for manifest, _ in manifests.values())
+    if len(manifests) == 1:
+        return next(iter(counts))
+    best = counts.most_common(2)
+    if not best or best[0][1] < 2 or (len(best) == 2 and best[1][1] == best[0][1]):
+        return None
+    return best[0][0]

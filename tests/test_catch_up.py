@@ -1,0 +1,52 @@
+"""Catching up from a round's messages over real peers: a lone lying donor's manifest is outvoted, not trusted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from factories import run_config
+
+from hetero_node.bench.poison import swarm
+from hetero_node.client.outer.catch_up import catch_up_shard
+from hetero_node.client.outer.shard_sync import MANIFEST, digest, encode_manifest, message_kind
+from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.models.shards import fingerprint
+from hetero_node.protocol.outer_methods import outer_method
+
+pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
+
+SHAPES = [(64, 48), (300,)]
+START = [torch.full(s, 0.5) for s in SHAPES]
+ROUND = 3
+
+
+def serve_round(runtime: PeerRuntime, sender: str, scale: float) -> str:
+    """Serve round ROUND's manifest and message as a member whose group aggregated `sender`'s message (made with
+    `scale`); returns the result's fingerprint."""
+    run = run_config()
+    gen = torch.Generator().manual_seed(0)
+    payload = outer_method(run, SHAPES).encode([scale * torch.randn(s, generator=gen) for s in SHAPES]).payload
+    member = outer_method(run, SHAPES)
+    result = member.update(START, member.combine([member.decode(payload)], [64.0], [sender]))
+    runtime.publish(message_kind(digest(payload)), 0, ROUND, payload)
+    manifest = encode_manifest(ROUND, fingerprint(START), fingerprint(result), [(sender, digest(payload), 64)])
+    runtime.publish(MANIFEST, 0, ROUND, manifest)
+    return fingerprint(result)
+
+
+def test_a_late_member_rebuilds_the_result_two_donors_state_not_a_lone_liars() -> None:
+    with swarm(4) as (honest1, honest2, liar, late):
+        honest = serve_round(honest1, "sender-a", 1e-2)
+        assert serve_round(honest2, "sender-a", 1e-2) == honest
+        assert serve_round(liar, "sender-b", 10.0) != honest
+        sync = SimpleNamespace(runtime=late, shard=0, method=outer_method(run_config(), SHAPES))
+
+        def rebuild(*donors: PeerRuntime) -> str | None:
+            got = catch_up_shard(sync, ROUND, START, fingerprint(START), [str(d.peer_id) for d in donors], 10.0)
+            return None if got is None else fingerprint(got.tensors)
+
+        assert rebuild(liar, honest1, honest2) == honest  # the liar asked first, outvoted
+        assert rebuild(liar, honest1) is None  # one against one: neither is taken (the node loads state instead)
+        assert rebuild(honest2) == honest  # a lone donor is taken on its word
