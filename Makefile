@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine bench-fuzz bench-soak clean
+.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -53,7 +53,16 @@ bench-byzantine: venv data
 bench-fuzz: venv
 	$(BIN)/hetero-node bench-fuzz --out bench/results/fuzz
 
-# One hour of a fault-free local swarm: RSS, fds, threads per peer, and what is left after SIGTERM.
+# 10^5 malformed stream messages, RPCs and DHT records sent by a peer process to a training local swarm (~30 min).
+bench-fuzz-swarm: venv data
+	$(BIN)/hetero-node bench-fuzz-swarm --out bench/results/fuzz-swarm
+
+# A joiner among lying donors (other rounds, weights, fingerprints; real peers in one process; about 14 min).
+bench-poison: venv
+	$(BIN)/hetero-node bench-poison --out bench/results/poison
+
+# One hour of a fault-free local swarm on 50 Mbit/s links (root; --link-mbit 0: loopback): RSS, fds, threads per
+# peer, and what is left after SIGTERM.
 bench-soak: venv data
 	$(BIN)/hetero-node bench-soak --out bench/results/soak
 

@@ -217,19 +217,76 @@ class FuzzConfig:
         require_positive(self, "cases")
 
 
+POISON_SCENARIOS = ("one-ahead", "far-ahead", "same-round", "claims-honest-fp", "nan-ahead", "nan-claims-honest-fp",
+                    "minority-ahead", "tie", "tie-liars-ahead")  # fmt: skip
+"""Donors a joiner may load from, beside honest ones at round 5 (`bench/poison.py` has each one's parameters):
+one liar a round ahead, at round 10⁶, or at round 5 with other weights (each advertising its own weights'
+fingerprint); one at round 5 advertising the honest fingerprint while serving other or NaN weights; one serving NaN a
+round ahead; 2 liars sharing a fingerprint a round ahead of 3 honest; 2 liars against 2 honest at round 5 or 6."""
+
+
+@dataclass(frozen=True)
+class PoisonConfig:
+    """How many independent trials of which poisoned-state scenarios; 5 of each take about 14 min on 2 cores, most
+    of it starting peers."""
+
+    trials: int = field(default=5, metadata={"help": "Trials per scenario, each on fresh peers."})
+    scenarios: str = field(
+        default=",".join(POISON_SCENARIOS),
+        metadata={"help": f"Comma-separated scenarios: {', '.join(POISON_SCENARIOS)}."},
+    )
+    wait_s: float = field(
+        default=10.0, metadata={"help": "How long the joiner's loader looks for a donor it can trust before giving up."}
+    )
+    out: Path = field(default=Path("bench/results/poison"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "trials", "wait_s")
+        if not self.scenario_list or not set(self.scenario_list) <= set(POISON_SCENARIOS):
+            raise ConfigError(f"--scenarios {self.scenarios!r}: choose from {', '.join(POISON_SCENARIOS)}")
+
+    @property
+    def scenario_list(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.scenarios.split(",") if s.strip())
+
+
+@dataclass(frozen=True)
+class SwarmFuzzConfig:
+    """How many malformed inputs a peer process sends a training swarm (streams, RPCs and DHT records)."""
+
+    cases: int = field(default=100_000, metadata={"help": "Inputs in all (stream handlers, RPCs and DHT records)."})
+    dht_cases: int = field(default=4_000, metadata={"help": "Of those, records stored in the DHT."})
+    calm_rounds: int = field(default=3, metadata={"help": "Rounds watched before fuzzing, to compare with."})
+    round_s: float = field(default=4.0, metadata={"help": "The swarm's round length in seconds."})
+    seed: int = field(default=0, metadata={"help": "Seed of the inputs."})
+    out: Path = field(default=Path("bench/results/fuzz-swarm"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "cases", "calm_rounds", "round_s")
+        if not 0 <= self.dht_cases <= self.cases:
+            raise ConfigError(f"--dht-cases must be in [0, --cases], got {self.dht_cases}")
+
+
 @dataclass(frozen=True)
 class SoakConfig:
-    """How long, with how many replicas; the default hour is the issue's soak (`--minutes 3` for a quick look)."""
+    """How long, with how many replicas, on what links; the default hour on 50 Mbit/s links is the issue's soak
+    (`--minutes 3` for a quick look, `--link-mbit 0` for loopback where network namespaces are missing)."""
 
     minutes: float = field(default=60.0, metadata={"help": "How long the swarm runs."})
     warmup_minutes: float = field(default=5.0, metadata={"help": "Growth is measured from this minute on."})
     sample_s: float = field(default=30.0, metadata={"help": "Seconds between two samples of every peer."})
     full: int = field(default=3, metadata={"help": "Full replicas."})
+    virtual: int = field(default=1, metadata={"help": "Virtual replicas (2 stage peers each)."})
+    link_mbit: float = field(
+        default=50.0, metadata={"help": "Every peer's up and down link in Mbit/s (tc tbf, root); 0: loopback."}
+    )
     preset: str = field(default="tiny", metadata={"help": "Model preset."})
     round_s: float = field(default=4.0, metadata={"help": "Round length in seconds."})
     out: Path = field(default=Path("bench/results/soak"), metadata={"help": "Results directory."})
 
     def __post_init__(self) -> None:
         require_positive(self, "minutes", "sample_s", "full", "round_s")
+        if self.virtual < 0 or self.link_mbit < 0:
+            raise ConfigError(f"--virtual and --link-mbit must not be negative, got {self.virtual}, {self.link_mbit}")
         if not 0 <= self.warmup_minutes < self.minutes:
             raise ConfigError(f"--warmup-minutes must be in [0, --minutes), got {self.warmup_minutes}")

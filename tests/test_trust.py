@@ -10,7 +10,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,45 +19,17 @@ import torch
 from factories import record_fields
 from hivemind.p2p import P2P
 
-from hetero_node.client.outer.shard_state import ShardStates, state_fingerprint
+from hetero_node.bench.poison import RUN_ID, SHAPES, serve, swarm, wait_for_records
+from hetero_node.client.outer.shard_state import ShardStates
 from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, MAX_STREAMS_PER_PEER, PeerRuntime, wire
 from hetero_node.protocol import socket_dir
 from hetero_node.protocol.errors import DaemonError, PayloadError
 from hetero_node.protocol.frames import MAX_FRAME_BYTES
 from hetero_node.protocol.keys import blob_handler_name
 from hetero_node.protocol.records import PeerRecord
-from hetero_node.protocol.roles import ROLE_FULL
 from hetero_node.protocol.swarm_key import is_member, member_proof
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
-
-RUN_ID = "0123456789abcdef"
-SHAPES = {0: [(4, 3)], 1: [(5,)]}
-
-
-@contextlib.contextmanager
-def swarm(size: int) -> Iterator[list[PeerRuntime]]:
-    """`size` peers joined to the run, the first one the others' entry point."""
-    runtimes = [PeerRuntime([])]
-    try:
-        entry = [str(runtimes[0].dht.get_visible_maddrs()[0])]
-        runtimes += [PeerRuntime(entry) for _ in range(size - 1)]
-        for runtime in runtimes:
-            runtime.join_run(RUN_ID)
-        yield runtimes
-    finally:
-        for runtime in runtimes:
-            runtime.shutdown()
-
-
-def serve(runtime: PeerRuntime, round_: int, scale: float) -> dict[int, str]:
-    """Publish a full replica's state of round `round_` (weights = `scale`) and a record that advertises it."""
-    tensors = {shard: [torch.full(shape, scale) for shape in shapes] for shard, shapes in SHAPES.items()}
-    ShardStates(runtime, SHAPES, None, fetch_timeout_s=10).publish(round_, tensors, None)
-    fps = {str(shard): state_fingerprint(ts, None) for shard, ts in tensors.items()}
-    fields = record_fields(str(runtime.peer_id), role=ROLE_FULL, round=round_, fingerprints=fps)
-    runtime.announce(PeerRecord(**fields), refresh_s=2.0)
-    return fps
 
 
 @pytest.mark.parametrize("liar_round", [6, 10**6, 5], ids=["one-ahead", "far-ahead", "same-round"])
@@ -70,9 +41,7 @@ def test_a_joiner_loads_the_state_most_peers_hold_not_one_donors(liar_round: int
         honest = serve(honest1, 5, 1.0)
         assert serve(honest2, 5, 1.0) == honest
         assert serve(liar, liar_round, 100.0) != honest
-        deadline = time.monotonic() + 30
-        while len(joiner.read_records() or {}) < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_for_records(joiner, 3)
         states = ShardStates(joiner, SHAPES, None, fetch_timeout_s=10)
         loaded = states.load(lambda: joiner.read_records() or {}, 0, 10.0, threading.Event())
         assert loaded is not None

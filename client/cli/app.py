@@ -30,8 +30,10 @@ from hetero_node.bench.config import (
     DDPWorkerConfig,
     FuzzConfig,
     KillSoakConfig,
+    PoisonConfig,
     RoundModesConfig,
     SoakConfig,
+    SwarmFuzzConfig,
 )
 from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.cli.demo import DemoConfig
@@ -350,6 +352,16 @@ def bench_fuzz(cfg: FuzzConfig) -> None:
         raise typer.Exit(1)
 
 
+@app.command("bench-poison")
+@expand_dataclass_options
+def bench_poison(cfg: PoisonConfig) -> None:
+    """Let a joiner load the swarm's state from donors of which some lie (other rounds, weights or fingerprints);
+    count, per scenario, what it loaded (report.json and report.md under --out)."""
+    from hetero_node.bench.poison import render_markdown, run_poison
+
+    _run_with_progress(run_poison, render_markdown, cfg)
+
+
 @app.command("bench-soak")
 @expand_dataclass_options
 def bench_soak(cfg: SoakConfig) -> None:
@@ -358,6 +370,16 @@ def bench_soak(cfg: SoakConfig) -> None:
     from hetero_node.bench.soak import render_markdown, run_soak
 
     _run_with_progress(run_soak, render_markdown, cfg)
+
+
+@app.command("bench-fuzz-swarm")
+@expand_dataclass_options
+def bench_fuzz_swarm(cfg: SwarmFuzzConfig) -> None:
+    """Send malformed stream messages, RPCs and DHT records from a peer process to a local swarm while it trains;
+    count what each entry point did and whether the swarm kept agreeing (report.json and report.md under --out)."""
+    from hetero_node.bench.fuzz_swarm import render_markdown, run_swarm_fuzz
+
+    _run_with_progress(run_swarm_fuzz, render_markdown, cfg)
 
 
 @app.command("bench-rounds")
