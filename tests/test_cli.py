@@ -57,6 +57,24 @@ def test_help_lists_every_command() -> None:
     assert "fetch" in CliRunner().invoke(app, ["data", "--help"]).output
 
 
+def test_every_help_text_is_printed_whole() -> None:
+    """Help texts are plain text: `[run]` in "a run.toml with [run], [outer] ... tables" was eaten as rich markup."""
+    import typer.main
+
+    commands = [([name], command) for name, command in typer.main.get_command(app).commands.items()]
+    assert len(commands) > 10
+    while commands:
+        path, command = commands.pop()
+        if hasattr(command, "commands"):  # a group (`data`)
+            commands += [([*path, name], sub) for name, sub in command.commands.items()]
+            continue
+        output = " ".join(CliRunner().invoke(app, [*path, "--help"], terminal_width=400).output.split())
+        for param in command.params:
+            text = " ".join((getattr(param, "help", None) or "").split())
+            if text and not getattr(param, "hidden", False):
+                assert text.split(" (")[0] in output, (path, param.name)
+
+
 def test_console_script_prints_version() -> None:
     result = subprocess.run([CONSOLE_SCRIPT, "--version"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == f"hetero-node {version('hetero-node')}"

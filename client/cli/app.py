@@ -53,8 +53,13 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,  # locals of a training loop are tensors: noise, and slow to render
+    rich_markup_mode=None,  # help texts are plain: "[run] tables" must not be read as (and eaten by) rich markup
 )
-data_app = typer.Typer(help="The training corpus: fetch it once, then every run trains offline.", no_args_is_help=True)
+data_app = typer.Typer(
+    help="The training corpus: fetch it once, then every run trains offline.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
 app.add_typer(data_app, name="data")
 
 console = Console()
