@@ -36,7 +36,7 @@ from hetero_node.protocol import boundary_codec, dense_codec, sparse_codec
 from hetero_node.protocol.errors import ConfigError, PayloadError
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import parse_peer_record, parse_run_announcement
-from hetero_node.protocol.run_config import OuterConfig, RunConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import PROTOCOL_VERSION, OuterConfig, RunConfig, SparseLoCoConfig
 from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
 
 wire = load_proto_module("wire")
@@ -102,8 +102,8 @@ def _announcement(raw: Any) -> Any:
 
 def _state(data: bytes) -> Any:
     state = from_bytes(data)
-    tensors = state["tensors"]
-    if [tuple(t.shape) for t in tensors] != SHAPES:
+    tensors = state.get("tensors")
+    if not isinstance(tensors, list) or [tuple(getattr(t, "shape", ())) for t in tensors] != SHAPES:
         raise PayloadError("wrong shapes")
     return state
 
@@ -131,7 +131,7 @@ ENTRY_POINTS = [
                lambda: encode_manifest(3, "ab" * 16, "cd" * 16, [(PEER, "ef" * 16, 64)]),
                lambda d: parse_manifest(d, 3), (PayloadError,)),
     EntryPoint("state blob (blob stream)", lambda: to_bytes({"tensors": [torch.ones(s) for s in SHAPES]}), _state,
-               (Exception,)),  # the loader skips a donor on any error (shard_state._download)
+               (PayloadError,)),
     EntryPoint("group metadata (matchmaking)",
                lambda: {"round": 3, "start_fp": "ab" * 16, "size": 1200, "digest": "cd" * 16, "tokens": 64,
                         "proof": ""},
@@ -139,7 +139,8 @@ ENTRY_POINTS = [
     EntryPoint("peer record (DHT)", lambda: record_fields(PEER), parse_peer_record, ()),
     EntryPoint("run announcement (DHT)",
                lambda: {"peer_id": PEER, "run_id": "0123456789abcdef", "software_version": "0.1.0",
-                        "protocol_version": 4, "data_source": "bundled", "config": _run_config(), "private": False},
+                        "protocol_version": PROTOCOL_VERSION, "data_source": "bundled", "config": _run_config(),
+                        "private": False},
                _announcement, (ConfigError,)),
 ]  # fmt: skip
 

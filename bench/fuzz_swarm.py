@@ -50,6 +50,7 @@ from hetero_node.protocol.keys import RUN_KEY_HANDLER, blob_handler_name, peers_
 from hetero_node.protocol.probe import PROBE_DOWNLOAD, PROBE_UPLOAD
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_STAGE
+from hetero_node.protocol.run_config import PROTOCOL_VERSION
 
 PEERS = ["r0", "r1", "vr0-s0", "vr0-s1"]
 IN_FLIGHT = 32
@@ -208,8 +209,9 @@ class Campaign:
         me = str(self.runtime.peer_id)
         real = [str(p) for p in self.targets["all"]]
         valid = record_fields(me)
-        announcement = {"peer_id": me, "run_id": self.run_id, "software_version": "0.1.0", "protocol_version": 4,
-                        "data_source": "bundled", "config": {}, "private": False}  # fmt: skip
+        announcement = {"peer_id": me, "run_id": self.run_id, "software_version": "0.1.0",
+                        "protocol_version": PROTOCOL_VERSION, "data_source": "bundled", "config": {},
+                        "private": False}  # fmt: skip
         for name, sample, key in (("DHT peer records", valid, peers_key(self.run_id)),
                                   ("DHT run announcements", announcement, runs_key())):  # fmt: skip
             tally, started, futures = EntryTally(), time.perf_counter(), []

@@ -12,7 +12,6 @@ as the blob `fixed`, advertised under the fingerprint key "fixed".
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import threading
 import time
@@ -25,7 +24,8 @@ from torch import Tensor
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
-from hetero_node.protocol.errors import CheckpointError, PayloadError
+from hetero_node.protocol import tensor_file
+from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.records import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -35,17 +35,15 @@ FIXED = "fixed"
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:
-    """Serialize a state for the wire (tensors and plain Python values only)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+    """Serialize a state for the wire (tensors and plain Python values only; `protocol/tensor_file.py`)."""
+    return tensor_file.dumps(state)
 
 
 def from_bytes(data: bytes) -> dict[str, Any]:
-    """Deserialize a peer's state; `weights_only` so a malicious peer cannot run code on us."""
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    """Deserialize a peer's state without unpickling anything; `PayloadError` if it is not one."""
+    state = tensor_file.loads(data)
     if not isinstance(state, dict):
-        raise CheckpointError("peer state is not a dictionary")
+        raise PayloadError("peer state is not a dictionary")
     return state
 
 
