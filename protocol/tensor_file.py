@@ -22,7 +22,8 @@ MAX_HEADER_BYTES = 16 << 20
 
 
 def dumps(tree: Any) -> bytes:
-    """`tree` (dicts with string keys, lists, tensors, numbers, strings, booleans, None) as bytes."""
+    """`tree` (dicts with string or integer keys, lists, tensors, numbers, strings, booleans, None) as bytes; tuples
+    come back as lists."""
     from safetensors.torch import save
 
     tensors: dict[str, Tensor] = {}
@@ -36,10 +37,10 @@ def dumps(tree: Any) -> bytes:
             storages.add(tensor.untyped_storage().data_ptr())
             tensors[name] = tensor
             return {"t": name}
-        if isinstance(value, dict):
-            if not all(isinstance(k, str) for k in value):
-                raise TypeError("dictionary keys must be strings")
-            return {"d": {k: encode(v) for k, v in value.items()}}
+        if isinstance(value, dict):  # as pairs: JSON objects would turn an optimizer's integer keys into strings
+            if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in value):
+                raise TypeError("dictionary keys must be strings or integers")
+            return {"d": [[k, encode(v)] for k, v in value.items()]}
         if isinstance(value, list | tuple):
             return {"l": [encode(v) for v in value]}
         if value is None or isinstance(value, bool | int | float | str):
@@ -74,8 +75,8 @@ def loads(data: bytes) -> Any:
         if kind == "t" and isinstance(value, str) and value in tensors and value not in used:
             used.add(value)
             return tensors[value]
-        if kind == "d" and isinstance(value, dict):
-            return {k: decode(v) for k, v in value.items()}
+        if kind == "d" and isinstance(value, list) and all(_is_pair(p) for p in value):
+            return {k: decode(v) for k, v in value}
         if kind == "l" and isinstance(value, list):
             return [decode(v) for v in value]
         if kind == "v" and (value is None or isinstance(value, bool | int | float | str)):
@@ -86,3 +87,9 @@ def loads(data: bytes) -> Any:
     if used != set(tensors):
         raise PayloadError("tensor file holds tensors its structure does not name")
     return tree
+
+
+def _is_pair(entry: Any) -> bool:
+    return isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str | int) and not isinstance(
+        entry[0], bool
+    )

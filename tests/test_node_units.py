@@ -97,12 +97,15 @@ def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=f"{path} is corrupt"):
         load_checkpoint(tmp_path, "abc")
     flipped = bytearray(good)
-    flipped[-200] ^= 0x01  # inside the tensor data: it would still unpickle
+    flipped[-40] ^= 0x01  # inside the tensor data: it would still parse
     path.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="checksum does not match"):
         load_checkpoint(tmp_path, "abc")
     path.write_bytes(b"PK\x03\x04" + good[4:])
     with pytest.raises(CheckpointError, match="not a hetero-node replica checkpoint"):
+        load_checkpoint(tmp_path, "abc")
+    path.write_bytes(b"hetero-node checkpoint 2\n" + b"a pickle of an older version")
+    with pytest.raises(CheckpointError, match="another hetero-node version .format 2.*move it away"):
         load_checkpoint(tmp_path, "abc")
     save_checkpoint(tmp_path, {**state, "model": {"w": torch.tensor([1.0, float("nan")])}})
     with pytest.raises(CheckpointError, match="non-finite"):

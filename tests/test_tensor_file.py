@@ -35,7 +35,7 @@ def test_pickles_truncations_and_forged_headers_are_refused() -> None:
             loads(bad)
     length = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8 : 8 + length])
-    header["__metadata__"][TREE_KEY] = json.dumps({"d": {"tensors": {"l": [{"v": 0}]}}})  # names no tensor
+    header["__metadata__"][TREE_KEY] = json.dumps({"d": [["tensors", {"l": [{"v": 0}]}]]})  # names no tensor
     forged = json.dumps(header).encode()
     with pytest.raises(PayloadError, match="does not name"):
         loads(len(forged).to_bytes(8, "little") + forged + blob[8 + length :])
@@ -45,4 +45,6 @@ def test_only_plain_values_and_tensors_are_written() -> None:
     with pytest.raises(TypeError):
         dumps({"f": lambda: 0})
     with pytest.raises(TypeError):
-        dumps({1: torch.ones(1)})
+        dumps({(1, 2): torch.ones(1)})
+    back = loads(dumps({0: {"step": torch.tensor(3.0)}, "betas": (0.9, 0.95)}))  # an optimizer's state_dict
+    assert list(back) == [0, "betas"] and back["betas"] == [0.9, 0.95] and back[0]["step"].item() == 3.0

@@ -4,27 +4,28 @@ A checkpoint holds what a replica cannot get back from its peers: its error-feed
 state, plus the weights and round it had, and the run id they belong to. It is written to a temporary file,
 fsynced and renamed (and the directory fsynced), so a crash mid-write leaves the previous checkpoint intact.
 
-The file is a magic line, the payload (`torch.save` of the state, streamed to disk), then the sha256 of the
-payload. Why a checksum:
-a flipped bit in a tensor still unpickles, and error feedback or optimizer state that is silently off is never
-caught by any peer. Non-finite values are refused too.
+The file is a magic line, the payload (the state in safetensors form, `protocol/tensor_file.py`: nothing in it is
+unpickled), then the sha256 of the payload. Why a checksum: a flipped bit in a tensor still parses, and error
+feedback or optimizer state that is silently off is never caught by any peer. Non-finite values are refused too. A
+checkpoint of an older format (format 2 held a pickle) is refused with a message saying what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from hetero_node.protocol.errors import CheckpointError
+from hetero_node.protocol import tensor_file
+from hetero_node.protocol.errors import CheckpointError, PayloadError
 
 CHECKPOINT_NAME = "replica.ckpt"
-MAGIC = b"hetero-node checkpoint 2\n"
+MAGIC = b"hetero-node checkpoint 3\n"
+MAGIC_PREFIX = b"hetero-node checkpoint "
 DIGEST_BYTES = 32
 
 
@@ -39,14 +40,9 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
             stale.unlink(missing_ok=True)
         with open(tmp, "wb") as f:
             f.write(MAGIC)
-            hashing = _HashingWriter(f)  # no in-memory copy of a state that may be several GB
-            try:
-                torch.save(state, hashing)
-            except RuntimeError:  # torch's writer turns a failed write into its own error: say what happened
-                if hashing.error is None:
-                    raise
-                raise hashing.error from None
-            f.write(hashing.sha256.digest())
+            payload = tensor_file.dumps(state)  # one serialized copy in memory, as a state blob is
+            f.write(payload)
+            f.write(hashlib.sha256(payload).digest())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -70,13 +66,19 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
     if not data.startswith(MAGIC):
-        raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint (or from an older version)")
+        if data.startswith(MAGIC_PREFIX):
+            version = data[len(MAGIC_PREFIX) :].split(b"\n")[0].decode(errors="replace")
+            raise CheckpointError(
+                f"checkpoint {path} is of another hetero-node version (format {version}, this one reads 3); "
+                "move it away: the node then loads the swarm's current state"
+            )
+        raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint")
     payload, digest = memoryview(data)[len(MAGIC) : -DIGEST_BYTES], data[-DIGEST_BYTES:]
     if len(data) < len(MAGIC) + DIGEST_BYTES or hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupt: its checksum does not match (damaged or truncated)")
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises a zoo of types for foreign payloads
+        state = tensor_file.loads(bytes(payload))
+    except PayloadError as e:
         raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {e}") from None
     if not isinstance(state, dict) or "run_id" not in state or "round" not in state:
         raise CheckpointError(f"checkpoint {path} is not a hetero-node replica checkpoint")
@@ -97,25 +99,6 @@ def load_checkpoint(directory: Path, run_id: str) -> dict[str, Any] | None:
             "use another --checkpoint-dir or remove it"
         )
     return state
-
-
-class _HashingWriter:
-    """A write-only file that hashes what passes through it on the way to `file`."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file, self.sha256 = file, hashlib.sha256()
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        self.sha256.update(data)
-        try:
-            return self.file.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 def _all_finite(value: Any) -> bool:
