@@ -56,6 +56,9 @@ PEERS = ["r0", "r1", "vr0-s0", "vr0-s1"]
 IN_FLIGHT = 32
 """Inputs on their way at once: enough to keep every handler busy, few enough not to starve the swarm's own traffic
 on 2 cores."""
+DHT_IN_FLIGHT = 4
+"""Stores on their way at once: more overfill the pipe to hivemind's DHT process, whose reader then dies on a
+partial message (measured: `BlockingIOError` in `DHT._run` at 16 stores of ~10 KB values)."""
 ANSWER_WAIT_S = 1.0
 READ_CAP_BYTES = 1 << 20
 """Bytes read from an answer before the stream is closed (a probe would send 32 MB)."""
@@ -216,14 +219,16 @@ class Campaign:
                                   ("DHT run announcements", announcement, runs_key())):  # fmt: skip
             tally, started, futures = EntryTally(), time.perf_counter(), []
             for i in range(cases // 2):
-                value = mutate_structure(sample, self.rng)
+                value = self._sendable(sample)
                 if isinstance(value, dict) and i % 4 == 0:
                     value["peer_id"] = self.rng.choice(real)
+                if not self.runtime.dht.is_alive():
+                    raise RuntimeError("the fuzzing peer's own DHT process died; see its log")
                 with self.runtime._dht_lock:
                     futures.append(self.runtime.dht.store(key, subkey=self.runtime.signer.local_public_key,
                                                           value=value, expiration_time=get_dht_time() + 60,
                                                           return_future=True))  # fmt: skip
-                if len(futures) >= IN_FLIGHT:
+                if len(futures) >= DHT_IN_FLIGHT:
                     self._settle(futures.pop(0), tally)
                     progress(1)
             for future in futures:
@@ -231,6 +236,19 @@ class Campaign:
                 progress(1)
             tally.seconds = round(time.perf_counter() - started, 1)
             self.tallies[name] = tally
+
+    def _sendable(self, sample: Any) -> Any:
+        """A mutation of `sample` that msgpack can encode (hivemind's DHT client cannot even send the others, e.g.
+        integers beyond 64 bits)."""
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        while True:
+            value = mutate_structure(sample, self.rng)
+            try:
+                MSGPackSerializer.dumps(value)
+            except (OverflowError, TypeError, ValueError):
+                continue
+            return value
 
     @staticmethod
     def _settle(future: Any, tally: EntryTally) -> None:
