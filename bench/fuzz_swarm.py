@@ -57,8 +57,11 @@ IN_FLIGHT = 32
 """Inputs on their way at once: enough to keep every handler busy, few enough not to starve the swarm's own traffic
 on 2 cores."""
 DHT_IN_FLIGHT = 4
-"""Stores on their way at once: more overfill the pipe to hivemind's DHT process, whose reader then dies on a
-partial message (measured: `BlockingIOError` in `DHT._run` at 16 stores of ~10 KB values)."""
+"""Stores on their way at once."""
+MAX_STORED_BYTES = 3000
+"""The largest value this peer stores: hivemind hands a store to its DHT process through a pipe whose reader dies on
+a partially written message (`BlockingIOError` in `DHT._run`, measured with ~10 KB values, also at 4 in flight).
+hetero-node's own records are about 1 KB; a receiving node gets values over libp2p, where size is no problem."""
 ANSWER_WAIT_S = 1.0
 READ_CAP_BYTES = 1 << 20
 """Bytes read from an answer before the stream is closed (a probe would send 32 MB)."""
@@ -238,17 +241,17 @@ class Campaign:
             self.tallies[name] = tally
 
     def _sendable(self, sample: Any) -> Any:
-        """A mutation of `sample` that msgpack can encode (hivemind's DHT client cannot even send the others, e.g.
-        integers beyond 64 bits)."""
+        """A mutation of `sample` that hivemind's DHT client can send: msgpack encodes it (not, e.g., an integer
+        beyond 64 bits) in at most `MAX_STORED_BYTES`."""
         from hivemind.utils.serializer import MSGPackSerializer
 
         while True:
             value = mutate_structure(sample, self.rng)
             try:
-                MSGPackSerializer.dumps(value)
+                if len(MSGPackSerializer.dumps(value)) <= MAX_STORED_BYTES:
+                    return value
             except (OverflowError, TypeError, ValueError):
                 continue
-            return value
 
     @staticmethod
     def _settle(future: Any, tally: EntryTally) -> None:
