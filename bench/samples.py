@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def record_fields(peer_id: str, **changes: Any) -> dict[str, Any]:
+def record_fields(peer_id: str, /, **changes: Any) -> dict[str, Any]:
     """A schema-valid peer record of a joining peer, with `changes`."""
     record = {
         "peer_id": peer_id, "addrs": [], "version": "0.1.0", "gpus": [], "cpu_cores": 2, "ram_gb": 8.0,

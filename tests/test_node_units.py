@@ -105,7 +105,7 @@ def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not a hetero-node replica checkpoint"):
         load_checkpoint(tmp_path, "abc")
     path.write_bytes(b"hetero-node checkpoint 2\n" + b"a pickle of an older version")
-    with pytest.raises(CheckpointError, match="another hetero-node version .format 2.*move it away"):
+    with pytest.raises(CheckpointError, match=r"another hetero-node version \(format 2, .*move it away"):
         load_checkpoint(tmp_path, "abc")
     save_checkpoint(tmp_path, {**state, "model": {"w": torch.tensor([1.0, float("nan")])}})
     with pytest.raises(CheckpointError, match="non-finite"):
