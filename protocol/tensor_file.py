@@ -90,6 +90,9 @@ def loads(data: bytes) -> Any:
 
 
 def _is_pair(entry: Any) -> bool:
-    return isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str | int) and not isinstance(
-        entry[0], bool
+    return (
+        isinstance(entry, list)
+        and len(entry) == 2
+        and isinstance(entry[0], str | int)
+        and not isinstance(entry[0], bool)
     )
