@@ -40,7 +40,14 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import SwarmFuzzConfig
 from hetero_node.bench.fuzz import mutate_bytes, mutate_structure
-from hetero_node.bench.kill_soak import STOP_TIMEOUT_S, disagreeing_rounds, peer_args, rounds_of, run_args
+from hetero_node.bench.kill_soak import (
+    STOP_TIMEOUT_S,
+    disagreeing_rounds,
+    peer_args,
+    rounds_of,
+    run_args,
+    wait_until,
+)
 from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.bench.samples import record_fields
 from hetero_node.bench.soak import sample_group
@@ -299,17 +306,17 @@ def run_swarm_fuzz(cfg: SwarmFuzzConfig, progress: Progress | None = None) -> di
         def swarm_round() -> int:
             return max(max(rounds_of(workdir / f"{n}.jsonl"), default=-1) for n in PEERS)
 
-        _wait(lambda: swarm_round() >= 2, 300, "the swarm's first rounds")
+        wait_until(lambda: swarm_round() >= 2, 300, "the swarm's first rounds")
         watch = RssWatch(pgids)
         calm_from = time.monotonic()
         calm_round = swarm_round()
-        _wait(lambda: swarm_round() >= calm_round + cfg.calm_rounds, 300, "rounds without fuzzing")
+        wait_until(lambda: swarm_round() >= calm_round + cfg.calm_rounds, 300, "rounds without fuzzing")
         runtime = PeerRuntime([boot])
         try:
             announcement = fetch_run_announcement(runtime)
             assert announcement is not None, "the bootstrap announces no run"
             runtime.join_run(announcement.run_id, serve=False)
-            records = _wait(lambda: _all_records(runtime), 60, "every peer's record")
+            records = wait_until(lambda: _all_records(runtime), 60, "every peer's record")
             targets = _targets(records, boot)
             campaign = Campaign(runtime, announcement.run_id, targets, random.Random(cfg.seed))
             task = progress.add_task("fuzzing the swarm", total=cfg.cases) if progress else None
@@ -323,7 +330,7 @@ def run_swarm_fuzz(cfg: SwarmFuzzConfig, progress: Progress | None = None) -> di
             runtime.run(campaign.streams(stream_cases, fuzz_round, advance))
             campaign.dht(cfg.dht_cases, advance)
             fuzz_to, fuzz_last = time.monotonic(), swarm_round()
-            _wait(lambda: swarm_round() >= fuzz_last + 2, 300, "rounds after fuzzing")
+            wait_until(lambda: swarm_round() >= fuzz_last + 2, 300, "rounds after fuzzing")
             view = runtime.read_records() or {}
             strangers = sorted(set(view) - {str(p) for p in targets["all"]} - {str(runtime.peer_id)})
             adopted = fetch_run_announcement(runtime)
@@ -381,15 +388,6 @@ def _targets(records: dict[str, PeerRecord], bootstrap: str) -> dict[str, list[A
     boot = PeerID.from_base58(Multiaddr(bootstrap).value_for_protocol("p2p"))
     stages = [PeerID.from_base58(p) for p, r in records.items() if r.role == ROLE_STAGE]
     return {"all": [PeerID.from_base58(p) for p in records] + [boot], "stages": stages, "bootstrap": [boot]}
-
-
-def _wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f} s")
-        time.sleep(1.0)
-    return result
 
 
 def render_markdown(report: dict[str, Any]) -> str:

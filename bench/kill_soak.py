@@ -22,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,7 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
         def swarm_round() -> int:
             return max(max(rounds_of(workdir / f"{n}.jsonl"), default=-1) for n in names)
 
-        _wait(lambda: swarm_round() >= 2, 300, "the swarm's first rounds")
+        wait_until(lambda: swarm_round() >= 2, 300, "the swarm's first rounds")
         task = progress.add_task("faults", total=len(faults)) if progress else None
         for number, fault in enumerate(faults):
             time.sleep(cfg.interval_s)
@@ -109,7 +110,7 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
             if progress is not None and task is not None:
                 progress.update(task, completed=number + 1)
         last = swarm_round()
-        _wait(lambda: swarm_round() >= last + cfg.settle_rounds, 120, "the swarm to go on after the last fault")
+        wait_until(lambda: swarm_round() >= last + cfg.settle_rounds, 120, "the swarm to go on after the last fault")
         exits: dict[str, dict[str, Any]] = {}
         for name in names:
             process = swarm.processes[current[name]]
@@ -128,12 +129,14 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
     return report
 
 
-def _wait(condition: Any, timeout: float, what: str) -> None:
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `condition` every second until it returns something true (returned), or raise after `timeout`."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (result := condition()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f} s")
         time.sleep(1.0)
+    return result
 
 
 def _group_alive(pgid: int) -> bool:
