@@ -53,7 +53,7 @@ bench-byzantine: venv data
 bench-fuzz: venv
 	$(BIN)/hetero-node bench-fuzz --out bench/results/fuzz
 
-# 10^5 malformed stream messages, RPCs and DHT records sent by a peer process to a training local swarm (~30 min).
+# 10^5 malformed stream messages, RPCs and DHT records sent by a peer process to a training local swarm (~13 min).
 bench-fuzz-swarm: venv data
 	$(BIN)/hetero-node bench-fuzz-swarm --out bench/results/fuzz-swarm
 

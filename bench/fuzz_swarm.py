@@ -26,10 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -41,11 +38,11 @@ from rich.progress import Progress
 from hetero_node.bench.config import SwarmFuzzConfig
 from hetero_node.bench.fuzz import mutate_bytes, mutate_structure
 from hetero_node.bench.kill_soak import (
-    STOP_TIMEOUT_S,
     disagreeing_rounds,
     peer_args,
     rounds_of,
     run_args,
+    sigterm_and_wait,
     wait_until,
 )
 from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
@@ -338,13 +335,7 @@ def run_swarm_fuzz(cfg: SwarmFuzzConfig, progress: Progress | None = None) -> di
             runtime.shutdown()
         watch.stop()
         alive = {name: swarm.processes[name].poll() is None for name in pgids}
-        exits = {}
-        for name, pgid in pgids.items():
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-                exits[name] = swarm.processes[name].wait(STOP_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                exits[name] = "did not exit"
+        exits = {name: sigterm_and_wait(swarm.processes[name]) for name in pgids}
     per_peer = {name: rounds_of(workdir / f"{name}.jsonl") for name in PEERS}
     fuzzed = range(fuzz_round + 1, fuzz_last + 1)
     calm = range(calm_round + 1, fuzz_round + 1)

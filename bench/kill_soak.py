@@ -113,13 +113,8 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
         wait_until(lambda: swarm_round() >= last + cfg.settle_rounds, 120, "the swarm to go on after the last fault")
         exits: dict[str, dict[str, Any]] = {}
         for name in names:
-            process = swarm.processes[current[name]]
             stopped = time.monotonic()
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                code: int | str = process.wait(STOP_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                code = "did not exit"
+            code = sigterm_and_wait(swarm.processes[current[name]])
             exits[name] = {"code": code, "seconds": round(time.monotonic() - stopped, 1)}
     time.sleep(2)
     leftovers = sum(1 for pgid in groups if _group_alive(pgid)) + len(p2pd_pids() - before_p2pd)
@@ -127,6 +122,15 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
     (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (cfg.out / "report.md").write_text(render_markdown(report))
     return report
+
+
+def sigterm_and_wait(process: subprocess.Popen) -> int | str:
+    """SIGTERM to a peer's whole process group: its exit code, or "did not exit" within `STOP_TIMEOUT_S`."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        return process.wait(STOP_TIMEOUT_S)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        return "did not exit"
 
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import SoakConfig
-from hetero_node.bench.kill_soak import STOP_TIMEOUT_S, p2pd_pids, peer_args, rounds_of, run_args
+from hetero_node.bench.kill_soak import p2pd_pids, peer_args, rounds_of, run_args, sigterm_and_wait
 from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.bench.netns import netns_unavailable_reason
 from hetero_node.protocol.errors import ConfigError
@@ -91,13 +89,7 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> dict[str, Any
             if progress is not None and task is not None:
                 progress.update(task, completed=min(elapsed, cfg.minutes * 60))
             time.sleep(cfg.sample_s)
-        exits = {}
-        for name, pgid in pgids.items():
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-                exits[name] = swarm.processes[name].wait(STOP_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                exits[name] = "did not exit"
+        exits = {name: sigterm_and_wait(swarm.processes[name]) for name in pgids}
         time.sleep(2)  # before LocalSwarm's exit SIGKILLs whatever is left
         left_running = sum(len(group_pids(pgid)) for pgid in pgids.values()) + len(p2pd_pids() - p2pd_before)
     left_files = sorted(str(p) for p in set(tmp.glob("hivemind-*.sock")) - sockets_before)
