@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from hetero_node.client.roles.metrics import read_metrics
+from hetero_node.models.shards import fingerprint
 
 
 def options(**values: str | bool) -> list[str]:
@@ -69,3 +71,9 @@ def assert_all_exit_cleanly(swarm: LocalSwarm, names: list[str], timeout: float 
     for name in names:
         code = swarm.wait(name, timeout)
         assert code == 0, f"{name} exited with {code}; log:\n{swarm.log_path(name).read_text()[-3000:]}"
+
+
+def ef_fingerprint(checkpoint_dir: Path) -> str:
+    """Fingerprint of the error-feedback buffers in a checkpoint, as the node logs it when it resumes."""
+    state = read_checkpoint(checkpoint_dir / CHECKPOINT_NAME)
+    return fingerprint([b for sync in state["syncs"] for b in sync["error_feedback"]["buffers"]])

@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 import torch
-from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, run_args, wait_for_round
+from swarm_helpers import assert_all_exit_cleanly, ef_fingerprint, join_args, rounds_of, run_args, wait_for_round
 
 from hetero_node.bench import cpu_quota
 from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
-from hetero_node.models.shards import fingerprint
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]
 
@@ -107,11 +106,6 @@ def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replic
             ]
             assert any(differs), f"{path.name}: the weights made no difference"
     assert weighted_rounds >= 2, "no recorded round aggregated contributions of different weights"
-
-
-def ef_fingerprint(checkpoint_dir: Path) -> str:
-    state = read_checkpoint(checkpoint_dir / CHECKPOINT_NAME)
-    return fingerprint([b for sync in state["syncs"] for b in sync["error_feedback"]["buffers"]])
 
 
 def group_is_gone(pgid: int, timeout: float = 15.0) -> bool:

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, run_args, wait_for_round
+from swarm_helpers import assert_all_exit_cleanly, ef_fingerprint, join_args, rounds_of, run_args, wait_for_round
 
 from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, boundary_bytes_per_token
 
@@ -79,6 +80,42 @@ def test_full_and_virtual_replica_agree_learn_and_send_the_codecs_bytes(tmp_path
         assert backward == pytest.approx(formula[BACKWARD], rel=0.05)
         assert s1[t]["boundary_bytes_received"] == s0[t]["boundary_bytes_sent"]
         assert s0[t]["boundary_bytes_received"] == s1[t]["boundary_bytes_sent"]
+
+
+def test_a_stopped_stage_resumes_its_shard_and_error_feedback_from_its_checkpoint(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = start_swarm(swarm, tmp_path, rounds=200, inner_steps=6)
+        wait_for_round(tmp_path, STAGE1, 1)
+        assert swarm.stop("s1", timeout=30) == 0, "SIGTERM should end a stage peer cleanly"
+        saved = read_checkpoint(tmp_path / f"r{STAGE1}.ckpt" / CHECKPOINT_NAME)
+        saved_ef = ef_fingerprint(tmp_path / f"r{STAGE1}.ckpt")
+        before = set(rounds_of(tmp_path, STAGE1))
+        swarm.start("s1", stage_args(peers, STAGE1, tmp_path, 1))
+        deadline = time.monotonic() + 240
+        while not resumed_rounds(tmp_path, before) and time.monotonic() < deadline:
+            time.sleep(1)
+        for name in ("r0", "s0", "s1"):
+            assert swarm.stop(name, timeout=30) == 0, f"{name} did not exit cleanly on SIGTERM"
+    full_saved = read_checkpoint(tmp_path / f"r{FULL}.ckpt" / CHECKPOINT_NAME)
+    assert saved["slot"] == [0, 1] and saved["round"] >= 1  # (virtual replica, stage)
+    assert len(saved["syncs"]) == 1 and 0 < len(saved["model"]) < len(full_saved["model"]), "its shard, not the model"
+    log = (tmp_path / "s1.log").read_text()
+    assert f"resumed from checkpoint at round {saved['round']} (error feedback {saved_ef})" in log
+    together = resumed_rounds(tmp_path, before)
+    assert together, f"the resumed stage did not contribute again:\n{round_table(tmp_path)}"
+    full, s0, s1 = (rounds_of(tmp_path, i) for i in (FULL, STAGE0, STAGE1))
+    for t in together:
+        assert_shards_agree(full[t], s0[t], s1[t], t)
+
+
+def resumed_rounds(workdir: Path, before: set[int]) -> list[int]:
+    """Rounds after the restart in which both stages contributed and the full replica used the VR's message."""
+    full, s0, s1 = (rounds_of(workdir, i) for i in (FULL, STAGE0, STAGE1))
+    return [
+        t for t in s1
+        if t not in before and t in s0 and t in full and s1[t]["contributed"] and s0[t]["contributed"]
+        and full[t]["contributors"] == 2
+    ]  # fmt: skip
 
 
 def repaired_rounds(workdir: Path) -> list[int]:
