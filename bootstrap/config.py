@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero_node.protocol.errors import ConfigError
+from hetero_node.protocol.errors import ConfigError, require_ports
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,15 @@ class BootstrapConfig:
     announce: str | None = field(
         default=None, metadata={"help": "Public IP or hostname to advertise (behind NAT or in Docker)."}
     )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={"help": "Serve the swarm dashboard at / and Prometheus /metrics on this HTTP port (0: any free)."},
+    )
     heartbeat_s: float = field(
         default=30.0, metadata={"help": "How often to refresh the routing table and re-publish the run."}
     )
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        require_ports(self, "port", "metrics_port")
         if not self.heartbeat_s > 0:
             raise ConfigError(f"--heartbeat-s must be positive, got {self.heartbeat_s}")

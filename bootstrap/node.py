@@ -44,7 +44,7 @@ class BootstrapNode:
         if cfg.announce:
             proto = "ip6" if ":" in cfg.announce else ("ip4" if cfg.announce.replace(".", "").isdigit() else "dns4")
             announce = [f"/{proto}/{cfg.announce}/tcp/{cfg.port}"]
-        swarm_key = load_swarm_key(cfg.swarm_key)
+        self.swarm_key = swarm_key = load_swarm_key(cfg.swarm_key)
         private = [] if swarm_key is None else [MemberProofValidator(swarm_key, peers_key(run.run_id))]
         fresh = not cfg.identity.exists()
         if fresh:

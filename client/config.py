@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero_node.protocol.errors import ConfigError, require_positive
+from hetero_node.protocol.errors import ConfigError, require_ports, require_positive
 from hetero_node.protocol.run_config import OptimConfig
 
 __all__ = ["NodeConfig", "OptimConfig", "RunOptions", "SyncTimeouts", "TrainConfig"]
@@ -84,6 +84,9 @@ class NodeConfig:
     replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
     checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
     metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
+    metrics_port: int | None = field(
+        default=None, metadata={"help": "Serve Prometheus /metrics on this HTTP port of --host (0: any free port)."}
+    )
     eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
@@ -119,10 +122,9 @@ class NodeConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
         if not (0 <= self.step_delay_s < 3600):
             raise ConfigError(f"--step-delay-s must be in [0, 3600), got {self.step_delay_s}")
-        if not 0 <= self.port < 65536 or self.linger_s < 0:
-            raise ConfigError(
-                f"--port must be in 0..65535 and --linger-s not negative, got {self.port}, {self.linger_s}"
-            )
+        require_ports(self, "port", "metrics_port")
+        if self.linger_s < 0:
+            raise ConfigError(f"--linger-s must not be negative, got {self.linger_s}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,14 @@ def require_positive(config: object, *fields: str) -> None:
         raise ConfigError("; ".join(bad))
 
 
+def require_ports(config: object, *fields: str) -> None:
+    """Raise one ConfigError naming every listed field that is set (not None) and not a TCP port number."""
+    bad = [f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(config, name)}" for name in fields
+           if getattr(config, name) is not None and not 0 <= getattr(config, name) < 65536]  # fmt: skip
+    if bad:
+        raise ConfigError("; ".join(bad))
+
+
 class DataError(HeteroNodeError):
     """A corpus, token cache or tokenizer file is missing, corrupt or unreadable (the message names the file)."""
 

@@ -47,6 +47,16 @@ class GpuInfo(pydantic.BaseModel):
     memory_gb: confloat(strict=True, ge=0, le=4096)  # type: ignore[valid-type]
 
 
+class RoundSummary(pydantic.BaseModel):
+    """A peer's last finished round as it recorded it: what the dashboard plots without reading anyone's files."""
+
+    round: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
+    contributed: pydantic.StrictBool
+    eval_loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
+    bytes_sent: conint(strict=True, ge=0, le=10**15)  # type: ignore[valid-type]
+    bytes_received: conint(strict=True, ge=0, le=10**15)  # type: ignore[valid-type]
+
+
 class PeerRecord(pydantic.BaseModel):
     """What one node tells the swarm, refreshed by its heartbeat; every field is required."""
 
@@ -82,6 +92,8 @@ class PeerRecord(pydantic.BaseModel):
     loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
     fingerprints: dict[constr(strict=True, regex=r"^(\d{1,4}|fixed)$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
     view: constr(strict=True, max_length=32)  # type: ignore[valid-type]
+    last_round: RoundSummary | None
+    """None until this peer has finished a round."""
     member_proof: constr(strict=True, regex=PROOF_PATTERN)  # type: ignore[valid-type]
     """A private swarm's proof that this peer holds the swarm key (`protocol/swarm_key.py`); "" in a public one."""
     refresh_s: confloat(strict=True, gt=0, le=3600)  # type: ignore[valid-type]

@@ -18,7 +18,7 @@ import pytest
 from factories import record_fields
 
 from hetero_node.bench.local_swarm import LocalSwarm
-from hetero_node.client.cli.status import swarm_snapshot
+from hetero_node.client.monitor.snapshot import read_snapshot
 from hetero_node.client.node.run_definition import fetch_run_announcement
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.client.swarm.runtime import PeerRuntime
@@ -128,7 +128,9 @@ def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path:
         with observer(peers) as runtime:
 
             def settled() -> dict[str, Any] | None:
-                snapshot = swarm_snapshot(runtime, None)
+                snapshot = read_snapshot(runtime.read_records_timed, runtime.run_id, None)
+                if snapshot is None:
+                    return None
                 roles = [p["role"] for p in snapshot["peers"]]
                 done = len(roles) == 6 and "joining" not in roles and snapshot["views_agree"]
                 return snapshot if done else None

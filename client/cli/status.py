@@ -1,4 +1,4 @@
-"""`hetero-node status`: the swarm as the DHT describes it, as a table, JSON, or a live view.
+"""`hetero-node status`: the swarm as the DHT describes it, as a table, JSON, a live view, or a web dashboard.
 
 It joins the DHT as a client (it serves nothing and owns no records), learns the run from the bootstrap's
 announcement (or `--run-id`), and reads the run's peer records: only signed, schema-valid ones count.
@@ -6,9 +6,11 @@ announcement (or `--run-id`), and reads the run's peer records: only signed, sch
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
-from collections import Counter
+from functools import partial
 from typing import Any
 
 from rich.console import Console, Group
@@ -16,42 +18,11 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from hetero_node.client.monitor.http_server import open_dashboard
+from hetero_node.client.monitor.snapshot import read_snapshot
 from hetero_node.client.node.run_definition import fetch_run_announcement
-from hetero_node.client.swarm import view
 from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
 from hetero_node.protocol.errors import ConfigError
-from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
-
-
-def swarm_snapshot(runtime: PeerRuntime, run: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything the status views show, as plain JSON-able data."""
-    from hivemind.utils import get_dht_time
-
-    timed = runtime.read_records_timed() or {}
-    records = {pid: record for pid, (record, _) in timed.items()}
-    now = get_dht_time()
-    peers = []
-    for _, (record, expiration) in sorted(timed.items()):
-        last_seen = max(0.0, now - (expiration - 3 * record.refresh_s))
-        peers.append({**record.dict(), "last_seen_s": round(last_seen, 1)})
-    stage_records = [r for r in records.values() if r.role == ROLE_STAGE]
-    stages = run["outer"]["stages"] if run else max((r.stage + 1 for r in stage_records), default=0)
-    replicas = view.virtual_replicas(records, stages, complete=False)
-    views = Counter(r.view for r in records.values() if r.view)
-    return {
-        "run_id": runtime.run_id,
-        "run": run,
-        "round": max((r.round for r in records.values() if r.role == ROLE_FULL), default=0),
-        "peers": peers,
-        "virtual_replicas": {
-            str(vr): {
-                "stages": {str(s): pid for s, pid in sorted(held.items())},
-                "missing": [s for s in range(stages) if s not in held],
-            }
-            for vr, held in sorted(replicas.items())
-        },
-        "views_agree": len(views) == 1 and sum(views.values()) == len(peers),
-    }
 
 
 def _peer_table(snapshot: dict[str, Any]) -> Table:
@@ -91,8 +62,11 @@ def render(snapshot: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def show_status(peers: list[str], run_id: str | None, as_json: bool, watch_s: float, console: Console) -> None:
-    """See the module docstring; with `watch_s` > 0, refresh until Ctrl-C."""
+def show_status(
+    peers: list[str], run_id: str | None, as_json: bool, watch_s: float, serve_port: int | None, console: Console
+) -> None:
+    """See the module docstring; with `watch_s` > 0, refresh until Ctrl-C; with `serve_port`, serve the dashboard
+    on 127.0.0.1 until Ctrl-C."""
     addresses = parse_peer_multiaddrs([p for arg in peers for p in arg.replace(",", " ").split()])
     runtime = PeerRuntime(addresses, client_mode=True)
     try:
@@ -101,18 +75,27 @@ def show_status(peers: list[str], run_id: str | None, as_json: bool, watch_s: fl
             raise ConfigError("no peer in --peers announces a run (a plain hivemind-dht?); pass --run-id")
         run = announcement.config if announcement is not None else None
         runtime.join_run(announcement.run_id if announcement is not None else run_id, serve=False)
-        if as_json:
-            console.out(json.dumps(swarm_snapshot(runtime, run), indent=2), highlight=False)
-            return
-        if watch_s <= 0:
-            console.print(render(swarm_snapshot(runtime, run)))
-            return
-        with Live(render(swarm_snapshot(runtime, run)), console=console, auto_refresh=False) as live:
-            try:
+
+        def current() -> dict[str, Any]:
+            snapshot = read_snapshot(runtime.read_records_timed, runtime.run_id, run)
+            if snapshot is None:
+                raise ConfigError("the DHT did not answer; check --peers and try again")
+            return snapshot
+
+        if serve_port is not None:
+            read = partial(read_snapshot, runtime.read_records_timed, runtime.run_id, run)
+            with open_dashboard("127.0.0.1", serve_port, read) as server, contextlib.suppress(KeyboardInterrupt):
+                console.print(f"dashboard: {server.url}  metrics: {server.url}metrics", markup=False, highlight=False)
+                threading.Event().wait()
+        elif as_json:
+            console.out(json.dumps(current(), indent=2), highlight=False)
+        elif watch_s <= 0:
+            console.print(render(current()))
+        else:
+            live = Live(render(current()), console=console, auto_refresh=False)
+            with live, contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(watch_s)
-                    live.update(render(swarm_snapshot(runtime, run)), refresh=True)
-            except KeyboardInterrupt:
-                pass
+                    live.update(render(current()), refresh=True)
     finally:
         runtime.shutdown()

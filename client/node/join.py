@@ -7,6 +7,7 @@ and settle on a role with the planner → train as a full replica, or hold a pip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from importlib.metadata import version
 from typing import Any
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.monitor.http_server import MonitorServer
+from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.node.bandwidth import node_bandwidth
 from hetero_node.client.node.capabilities import measure_throughput, probe_hardware, run_requirements
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
@@ -70,6 +73,7 @@ def _initial_record(
         loss=None,
         fingerprints={},
         view="",
+        last_round=None,
         refresh_s=float(node.record_refresh_s),
         member_proof=member_proof(runtime.swarm_key, str(runtime.peer_id)),
     )
@@ -84,6 +88,20 @@ def role_for_run(run: RunConfig, requested_role: str) -> str:
     if run.outer.stages < 2 and requested_role == REQUEST_STAGE:
         raise ConfigError("--role stage: this run has one stage, so every node trains a full replica")
     return requested_role
+
+
+def serve_node_metrics(
+    stack: contextlib.ExitStack, node: NodeConfig, run: RunConfig, runtime: PeerRuntime
+) -> NodeMetrics | None:
+    """With --metrics-port: this node's Prometheus metrics on node.host, until `stack` closes."""
+    if node.metrics_port is None:
+        return None
+    metrics = NodeMetrics(run.run_id, version("hetero-node"))
+    metrics.watch_peers(lambda: runtime.peers_seen)
+    server = MonitorServer(node.host, node.metrics_port, metrics.registry)
+    stack.callback(server.close)
+    logger.info("Prometheus metrics at %smetrics", server.url)
+    return metrics
 
 
 def run_node(
@@ -105,6 +123,7 @@ def run_node(
     stop = threading.Event()
     leave_on_signals(stop)
     membership = None
+    stack = contextlib.ExitStack()
     try:
         on_status("reading the run announcement")
         announcement = fetch_run_announcement(runtime)
@@ -117,6 +136,9 @@ def run_node(
             run, store = prepare_run(*configs.values())
         requested_role = role_for_run(run, requested_role)
         runtime.join_run(run.run_id)
+        metrics = serve_node_metrics(stack, node, run, runtime)
+        if metrics is not None:
+            on_round = _both(on_round, metrics.observe_round)
         on_status(f"run {run.run_id}: measuring this node")
         req = run_requirements(run)
         record = _initial_record(runtime, run, req, node, requested_role, pinned_stage)
@@ -125,6 +147,8 @@ def run_node(
         if membership.settle() is None:
             return
         membership.watch()
+        if metrics is not None:
+            metrics.set_role(membership.role)
         if membership.role == ROLE_FULL:
             on_status(f"run {run.run_id}: full replica, joining the swarm")
             FullReplica(run, node, store, timeouts, runtime, membership).run(on_round)
@@ -136,6 +160,18 @@ def run_node(
                 if membership.slot == (vr, stage):
                     break
     finally:
+        stack.close()
         if membership is not None:
             membership.close()
         runtime.shutdown()
+
+
+def _both(
+    first: Callable[[RoundRecord], None] | None, second: Callable[[RoundRecord], None]
+) -> Callable[[RoundRecord], None]:
+    def both(record: RoundRecord) -> None:
+        if first is not None:
+            first(record)
+        second(record)
+
+    return both

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI imports this module: it must not load hivemind (protocol.records does)
+    from hetero_node.protocol.records import RoundSummary
 
 
 @dataclass
@@ -53,6 +57,20 @@ class RoundRecord:
     """Seconds training was blocked waiting for the round's exchange (with --overlap only what did not overlap)."""
     round_s: float = 0.0
     """The round length the deadline came from (0: not time-boxed)."""
+
+
+def round_summary(record: RoundRecord) -> RoundSummary:
+    """The part of a round's record the swarm sees in our peer record (outer and boundary bytes together)."""
+    from hetero_node.protocol.records import RoundSummary
+
+    finite = record.eval_loss is not None and math.isfinite(record.eval_loss) and 0 <= record.eval_loss <= 1e4
+    return RoundSummary(
+        round=record.round,
+        contributed=record.contributed,
+        eval_loss=record.eval_loss if finite else None,
+        bytes_sent=record.bytes_sent + record.boundary_bytes_sent,
+        bytes_received=record.bytes_received + record.boundary_bytes_received,
+    )
 
 
 class MetricsWriter:

@@ -102,6 +102,38 @@ def latest_valid_records(
     return best
 
 
+def read_dictionary(
+    dht: Any, key: str, timeout: float, lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+) -> dict[Any, tuple[Any, float]] | None:
+    """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer in time.
+    `lock` guards only the request (the DHT's pipe), not the wait."""
+    with lock:
+        future = dht.get(key, latest=True, return_future=True)
+    try:
+        found = future.result(timeout)
+    except Exception as e:  # a DHT that does not answer must not stall training (hivemind pitfall H)
+        logger.warning("reading %s from the DHT failed: %r", key, e)
+        return None
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {k: (v.value, v.expiration_time) for k, v in found.value.items()}
+
+
+def read_peer_records(
+    dht: Any,
+    run_id: str,
+    swarm_key: bytes | None,
+    timeout: float,
+    lock: contextlib.AbstractContextManager = contextlib.nullcontext(),
+) -> dict[str, tuple[PeerRecord, float]] | None:
+    """The run's valid peer records with their expiration times (None: the DHT did not answer); used by peers
+    and by the bootstrap's dashboard, which reads its own DHT."""
+    from hivemind.utils import get_dht_time
+
+    found = read_dictionary(dht, peers_key(run_id), timeout, lock)
+    return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key)
+
+
 def use_fork_start_method() -> None:
     """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
     state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
@@ -252,6 +284,11 @@ class PeerRuntime:
                 return None if newest is None else (newest, rounds[newest])
             return (round_, rounds[round_]) if round_ in rounds else None
 
+    @property
+    def peers_seen(self) -> int:
+        """Peers whose valid records were in our last read of the run's records (this node included)."""
+        return len(self._members)
+
     async def _is_member(self, peer: str) -> bool:
         """In a private swarm, whether `peer`'s record (with a valid proof) is in the view; re-read at most every
         `MEMBER_REREAD_S` for a peer we do not know yet (it may have just joined)."""
@@ -367,29 +404,18 @@ class PeerRuntime:
 
     def read_records_timed(self, timeout: float = 5.0) -> dict[str, tuple[PeerRecord, float]] | None:
         """As `read_records`, with each record's DHT expiration time."""
-        from hivemind.utils import get_dht_time
-
-        found = self._get(peers_key(self.run_id), timeout)
-        if found is None:
+        if not self.dht.is_alive():  # a signal to the whole process group took the DHT down: do not wait
             return None
-        records = latest_valid_records(found, get_dht_time(), self.swarm_key)
-        self._members, self._members_read = set(records), time.monotonic()
+        records = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self._dht_lock)
+        if records is not None:
+            self._members, self._members_read = set(records), time.monotonic()
         return records
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""
         if not self.dht.is_alive():  # a signal to the whole process group took the DHT down: do not wait
             return None
-        with self._dht_lock:
-            future = self.dht.get(key, latest=True, return_future=True)
-        try:
-            found = future.result(timeout)
-        except Exception as e:  # a DHT that does not answer must not stall training (hivemind pitfall H)
-            logger.warning("reading %s from the DHT failed: %r", key, e)
-            return None
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        return {k: (v.value, v.expiration_time) for k, v in found.value.items()}
+        return read_dictionary(self.dht, key, timeout, self._dht_lock)
 
     def read_run_announcements(self, timeout: float = 5.0) -> dict[bytes, dict[str, Any]] | None:
         """Run announcements by signing key (validated by the DHT's schema and signature validators)."""

@@ -1,0 +1,96 @@
+"""One small HTTP server per node for what operators read: `/metrics` (Prometheus text format) always, and where
+the node watches the swarm, `/` (the dashboard page) and `/api/swarm` (the JSON it polls).
+
+Standard library only (`ThreadingHTTPServer` in a daemon thread): nothing here is on the training path, and a
+slow or hostile client costs one thread, never a round. Everything served is read-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.resources import files
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from hetero_node.client.monitor.node_metrics import NAMESPACE
+from hetero_node.client.monitor.swarm_watch import SwarmWatcher
+from hetero_node.protocol.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def dashboard_page() -> bytes:
+    return files("hetero_node.client.monitor").joinpath("dashboard.html").read_bytes()
+
+
+class MonitorServer:
+    """Serves `registry` at /metrics and, with a `watcher`, the dashboard; `close()` stops it."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry, watcher: SwarmWatcher | None = None) -> None:
+        routes: dict[str, Any] = {"/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry))}
+        if watcher is not None:
+            page = dashboard_page()
+            routes["/"] = lambda: ("text/html; charset=utf-8", page)
+            routes["/api/swarm"] = lambda: ("application/json", json.dumps(watcher.state()).encode())
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), _handler(routes))
+        except OSError as e:
+            raise ConfigError(f"could not serve metrics on {host}:{port}: {e}") from None
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="monitor-http", daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@contextlib.contextmanager
+def open_dashboard(host: str, port: int, read: Callable[[], dict[str, Any] | None]) -> Iterator[MonitorServer]:
+    """The dashboard and the swarm gauges, from snapshots `read` returns (polled in a thread), while in the block."""
+    watcher = SwarmWatcher(read).start()
+    registry = CollectorRegistry()
+    ProcessCollector(namespace=NAMESPACE, registry=registry)
+    registry.register(watcher)
+    try:
+        server = MonitorServer(host, port, registry, watcher)
+        try:
+            yield server
+        finally:
+            server.close()
+    finally:
+        watcher.close()
+
+
+def _handler(routes: dict[str, Any]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            route = routes.get(self.path.split("?", 1)[0])
+            if route is None:
+                self.send_error(HTTPStatus.NOT_FOUND)
+                return
+            content_type, body = route()
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: not for the log
+            logger.debug("%s " + format, self.client_address[0], *args)
+
+    return Handler
