@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Callable
 from enum import StrEnum
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -216,7 +217,17 @@ def bootstrap(
     console.print(f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}", markup=False)
     console.print("volunteers join with:", markup=False)
     console.print(f"  {join_line(node.join_addresses[0])}", markup=False, highlight=False, soft_wrap=True)
-    node.serve_forever()
+    if cfg.metrics_port is None:
+        node.serve_forever()
+        return
+    from hetero_node.client.monitor.http_server import open_dashboard
+    from hetero_node.client.monitor.snapshot import read_snapshot
+    from hetero_node.client.swarm.runtime import read_peer_records
+
+    records = partial(read_peer_records, node.dht, run.run_id, node.swarm_key, 5.0)
+    with open_dashboard(cfg.host, cfg.metrics_port, partial(read_snapshot, records, run.run_id, run.to_dict())) as web:
+        console.print(f"dashboard: {web.url}  metrics: {web.url}metrics", markup=False, highlight=False)
+        node.serve_forever()
 
 
 @app.command()
@@ -274,6 +285,31 @@ def swarm_key(path: Path = typer.Argument(..., help="Where to write the new key 
 
 
 @app.command()
+def export(
+    checkpoint: list[Path] = typer.Option(
+        ...,
+        "--checkpoint",
+        metavar="DIR",
+        help="A full replica's --checkpoint-dir (or its replica.ckpt); repeat it for one checkpoint of every stage.",
+    ),
+    out: Path = typer.Option(..., "--out", help="Directory to write the Hugging Face checkpoint to."),
+    tokenizer: Path | None = typer.Option(
+        None, "--tokenizer", help="The run's tokenizer.json, if it trained with one (default: byte-level)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Overwrite the exported files in a non-empty --out."),
+) -> None:
+    """Write a checkpoint as a Hugging Face Llama model (config.json, model.safetensors, tokenizer files)."""
+    from hetero_node.client.cli.export import export_checkpoint
+
+    done = export_checkpoint(checkpoint, out, tokenizer, force)
+    console.print(
+        f"exported run {done.run_id} round {done.round} ({done.preset}, {done.n_params:,} parameters) to {done.out}: "
+        f"{', '.join(done.files)}; load it with transformers' LlamaForCausalLM.from_pretrained",
+        markup=False, highlight=False, soft_wrap=True,
+    )  # fmt: skip
+
+
+@app.command()
 def status(
     peers: list[str] = typer.Option(..., "--peers", help="Multiaddr of the bootstrap (or any peer of the swarm)."),
     run_id: str | None = typer.Option(
@@ -281,11 +317,16 @@ def status(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the swarm as JSON (for scripts) and exit."),
     watch: float = typer.Option(0.0, "--watch", help="Refresh every N seconds until Ctrl-C (0: show once)."),
+    serve: int | None = typer.Option(
+        None, "--serve", help="Serve the web dashboard (and /metrics) on this port of 127.0.0.1 until Ctrl-C."
+    ),
 ) -> None:
     """Show the swarm: peers, roles, virtual replicas and their missing stages, rounds and losses."""
     from hetero_node.client.cli.status import show_status
 
-    show_status(peers, run_id, as_json, watch, console)
+    if serve is not None and not 0 <= serve < 65536:
+        raise ConfigError(f"--serve must be in 0..65535, got {serve}")
+    show_status(peers, run_id, as_json, watch, serve, console)
 
 
 @app.command()

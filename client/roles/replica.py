@@ -37,7 +37,7 @@ from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
 from hetero_node.client.outer.shard_state import FIXED, ShardStates, state_fingerprint
 from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
 from hetero_node.client.roles.checkpoint import load_checkpoint, save_checkpoint
-from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord
+from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
 from hetero_node.client.roles.schedule import RoundClock, RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership
@@ -225,6 +225,7 @@ class Replica(ABC):
             "model": self.module.state_dict(),
             "trainer": self.trainer.state_dict(),
             "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
+            "run_config": self.run_cfg.to_dict(),  # what `hetero-node export` rebuilds the model's shape from
         }
         try:
             save_checkpoint(self.node.checkpoint_dir, state)
@@ -681,5 +682,6 @@ class Replica(ABC):
             **self.round_extras(),
         )
         self.metrics.write(record)
+        self.announce(last_round=round_summary(record))
         if self.on_round is not None:
             self.on_round(record)
