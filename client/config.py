@@ -18,6 +18,12 @@ from hetero_node.protocol.run_config import OptimConfig
 __all__ = ["NodeConfig", "OptimConfig", "RunOptions", "SyncTimeouts", "TrainConfig"]
 
 
+DATA_HELP = (
+    "Your text, a file or a directory: .txt, .jsonl (a 'text' field), either also as .gz or .zst, or Parquet (a 'text' "
+    "column)."
+)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What one process trains, on which data, for how long."""
@@ -31,7 +37,7 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "Seed for weights and data order."})
     data: Path | None = field(
         default=None,
-        metadata={"help": "Your text: a .txt file, a directory of them, or JSONL with a 'text' field."},
+        metadata={"help": DATA_HELP},
     )
     tokenizer: Path | None = field(
         default=None, metadata={"help": "A Hugging Face tokenizer.json (default: byte-level, no file needed)."}
@@ -55,7 +61,8 @@ class RunOptions:
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
     data_shards: int = field(default=16, metadata={"help": "The corpus is cut into this many disjoint shards."})
     data: Path | None = field(
-        default=None, metadata={"help": "Your text: a .txt file, a directory of them, or JSONL with a 'text' field."}
+        default=None,
+        metadata={"help": DATA_HELP},
     )
     tokenizer: Path | None = field(
         default=None, metadata={"help": "A Hugging Face tokenizer.json (default: byte-level, no file needed)."}

@@ -13,6 +13,8 @@ range, so no training window can read validation tokens.
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import json
 import logging
 import math
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from hetero_node.models.corpus import BUNDLED_REQUIREMENT, BUNDLED_SHA256, bundled_corpus_archive, iter_bundled_texts
+from hetero_node.models.corpus_formats import SUFFIXES, Document, corpus_suffix, iter_documents
 from hetero_node.models.tokenizer import Tokenizer
 from hetero_node.protocol.errors import ConfigError, DataError
 
@@ -36,13 +39,10 @@ logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1
 """Bump when the cache layout or the way documents are joined changes: old caches then miss instead of lying."""
-USER_SUFFIXES = (".txt", ".md", ".jsonl")
 DOC_SEPARATOR = "\n\n"
 """Joins documents when the tokenizer has no end-of-document id (the byte tokenizer)."""
 _META_FIELDS = {"format": int, "tokenizer": str, "dtype": str, "n_train": int, "n_val": int, "tokens_sha256": str}
 
-Document = tuple[str, str]
-"""(name for messages, text)"""
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(x, y): int64 token ids of shape (batch_size, seq_len), y = x shifted by one."""
 
@@ -99,11 +99,11 @@ def _user_files(source: Path) -> list[Path]:
     if not source.is_dir():
         raise DataError(f"data path {source} does not exist (or is not a file or directory)")
     try:
-        files = [p for p in source.rglob("*") if p.suffix.lower() in USER_SUFFIXES and p.is_file()]
+        files = [p for p in source.rglob("*") if corpus_suffix(p) is not None and p.is_file()]
     except OSError as e:
         raise DataError(f"cannot list data directory {source}: {e}") from e
     if not files:
-        raise DataError(f"data directory {source} holds no {', '.join('*' + s for s in USER_SUFFIXES)} files")
+        raise DataError(f"data directory {source} holds no {', '.join('*' + s for s in SUFFIXES)} files")
     return sorted(files, key=lambda p: p.relative_to(source).as_posix())
 
 
@@ -125,53 +125,6 @@ def _stat_key(source: Path, files: list[Path]) -> str:
     return _sha256_json(entries)
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"cannot read data file {path}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise DataError(f"data file {path} is not UTF-8 text (bad byte at offset {e.start})") from e
-
-
-def _jsonl_text(path: Path, lineno: int, raw: bytes) -> str:
-    where = f"{path}, line {lineno}"
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 (bad byte at column {e.start + 1})") from e
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise DataError(f"{where}: expected a JSON object with a string 'text' field")
-    text = record["text"]
-    try:
-        text.encode("utf-8")  # JSON can escape lone surrogates, which no tokenizer can encode
-    except UnicodeEncodeError as e:
-        raise DataError(f"{where}: 'text' holds an unpaired surrogate (\\u{ord(text[e.start]):04x})") from e
-    return text
-
-
-def _iter_jsonl(path: Path) -> Iterator[Document]:
-    try:
-        f = path.open("rb")
-    except OSError as e:
-        raise DataError(f"cannot read data file {path}: {e.strerror or e}") from e
-    with f:  # streamed line by line: a JSONL corpus can be far larger than memory
-        for lineno, raw in enumerate(f, start=1):
-            if raw.strip():
-                yield f"{path.name}:{lineno}", _jsonl_text(path, lineno, raw)
-
-
-def _iter_user_documents(files: list[Path]) -> Iterator[Document]:
-    """Plain files are one document each; a JSONL file is one document per line."""
-    for path in files:
-        if path.suffix.lower() == ".jsonl":
-            yield from _iter_jsonl(path)
-        else:
-            yield path.name, _read_text(path)
-
-
 def _resolve_source(source: Path | None, cache_dir: Path) -> _Source:
     if source is None:
         return _Source(
@@ -184,7 +137,7 @@ def _resolve_source(source: Path | None, cache_dir: Path) -> _Source:
     return _Source(
         key=f"user:{_stat_key(source, files)}",
         description=f"user data {source}",
-        documents=lambda: _iter_user_documents(files),
+        documents=lambda: itertools.chain.from_iterable(map(iter_documents, files)),
     )
 
 
@@ -194,39 +147,69 @@ def _resolve_source(source: Path | None, cache_dir: Path) -> _Source:
 def _tokenize(
     documents: Iterable[Document], tokenizer: Tokenizer, dtype: np.dtype, out: BinaryIO
 ) -> tuple[int, int, str]:
-    """Stream the joined token ids to `out`; return (tokens, documents, sha256 of the bytes written)."""
-    separator = [tokenizer.eos_id] if tokenizer.eos_id is not None else tokenizer.encode(DOC_SEPARATOR)
+    """Append the joined token ids to `out` one document at a time, so memory holds one document, never the
+    corpus; return (tokens, documents, sha256 of the bytes written)."""
+    ids = tokenizer.encode(DOC_SEPARATOR) if tokenizer.eos_id is None else [tokenizer.eos_id]
+    separator = np.asarray(ids, dtype=dtype).tobytes()
     digest = hashlib.sha256()
-    n_tokens = n_docs = 0
+    n_bytes = n_docs = 0
     for name, text in documents:
         if not text:
             continue
-        ids = tokenizer.encode(text)
-        logger.debug("%s: %d tokens", name, len(ids))
-        block = np.asarray(separator + ids if n_docs else ids, dtype=dtype).tobytes()
+        block = np.asarray(tokenizer.encode(text), dtype=dtype).tobytes()
+        logger.debug("%s: %d tokens", name, len(block) // dtype.itemsize)
+        if n_docs:
+            block = separator + block
         out.write(block)
         digest.update(block)
-        n_tokens += len(block) // dtype.itemsize
+        n_bytes += len(block)
         n_docs += 1
-    return n_tokens, n_docs, digest.hexdigest()
+    return n_bytes // dtype.itemsize, n_docs, digest.hexdigest()
+
+
+def _npy_header(dtype: np.dtype, length: int) -> bytes:
+    """What `np.save` writes before a 1-D array. Its length does not depend on `length` (numpy pads the shape
+    so that a file can grow in place), which lets `_write_cache` stream tokens in before their count is known."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": dtype.str, "fortran_order": False, "shape": (length,)})
+    return header.getvalue()
+
+
+def _split_off_val(train_path: Path, val_path: Path, dtype: np.dtype, n_train: int, n_val: int) -> None:
+    """Move the last `n_val` tokens of the stream in `train_path` into `val_path` and give both their final
+    headers. Plain reads and writes, not a memory map: mapping the stream would page it into this process."""
+    placeholder = _npy_header(dtype, 0)
+    train_end = len(placeholder) + n_train * dtype.itemsize
+    with train_path.open("r+b") as train:
+        train.seek(train_end)
+        with val_path.open("wb") as val:
+            val.write(_npy_header(dtype, n_val))
+            shutil.copyfileobj(train, val)
+        train.truncate(train_end)
+        header = _npy_header(dtype, n_train)
+        if len(header) != len(placeholder):
+            raise RuntimeError(f"numpy's .npy header for {n_train} tokens no longer fits the space reserved for it")
+        train.seek(0)
+        train.write(header)
 
 
 def _write_cache(source: _Source, tokenizer: Tokenizer, val_fraction: float, dest: Path) -> None:
-    """Tokenize `source` into the empty directory `dest` (which is renamed into place afterwards)."""
+    """Tokenize `source` into the empty directory `dest` (which is renamed into place afterwards).
+
+    Tokens stream straight into train.npy behind a placeholder header; the validation tail is split off once the
+    total is known. Memory stays bounded by the largest document, disk by the tokens plus the validation split.
+    """
     dtype = _token_dtype(tokenizer.vocab_size)
-    stream_path = dest / "stream.bin"
+    train_path = dest / "train.npy"
     start = time.perf_counter()
-    with stream_path.open("wb") as out:
+    with train_path.open("wb") as out:
+        out.write(_npy_header(dtype, 0))
         n_tokens, n_docs, tokens_sha256 = _tokenize(source.documents(), tokenizer, dtype, out)
     if n_tokens < 2:
         raise DataError(f"{source.description} holds too little text ({n_tokens} tokens)")
     n_val = min(n_tokens - 1, max(1, math.ceil(n_tokens * val_fraction)))
     n_train = n_tokens - n_val
-    stream = np.memmap(stream_path, dtype=dtype, mode="r", shape=(n_tokens,))
-    np.save(dest / "train.npy", stream[:n_train])
-    np.save(dest / "val.npy", stream[n_train:])
-    del stream
-    stream_path.unlink()
+    _split_off_val(train_path, dest / "val.npy", dtype, n_train, n_val)
     meta = {
         "format": CACHE_FORMAT,
         "source": source.description,

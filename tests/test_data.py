@@ -3,6 +3,7 @@ used only if a setup step already fetched it, otherwise a synthetic archive with
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import itertools
@@ -10,10 +11,14 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hypothesis import given
@@ -28,6 +33,7 @@ from hetero_node.models.corpus import (
     fetch_bundled_corpus,
     iter_bundled_texts,
 )
+from hetero_node.models.corpus_formats import PARQUET_BATCH_ROWS
 from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, data_shard, val_batches
 from hetero_node.models.paths import CACHE_ENV_VAR, default_cache_dir
 from hetero_node.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -84,6 +90,26 @@ class CountingTokenizer(ByteTokenizer):
     def encode(self, text: str) -> list[int]:
         self.calls += 1
         return super().encode(text)
+
+
+def write_file(path: Path, data: bytes) -> Path:
+    """Compressed as the suffix says (.gz gzip, .zst zstd, in any case), anything else as is."""
+    with pa.output_stream(str(path), compression={".gz": "gzip", ".zst": "zstd"}.get(path.suffix.lower())) as out:
+        out.write(data)
+    return path
+
+
+def jsonl_bytes(texts: list[str]) -> bytes:
+    return "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def write_corpus(path: Path, texts: list[str]) -> Path:
+    """`texts` as Parquet (several row groups, an extra column) or else as JSONL, compressed as the suffix says."""
+    if path.suffix == ".parquet":
+        table = pa.table({"id": list(range(len(texts))), "text": texts})
+        pq.write_table(table, path, row_group_size=max(1, len(texts) // 3))
+        return path
+    return write_file(path, jsonl_bytes(texts))
 
 
 def decoded_stream(store: TokenStore) -> str:
@@ -270,9 +296,9 @@ def test_jsonl_with_eos_tokenizer(tmp_path: Path) -> None:
     [("{not json", "not valid JSON"), ('["text"]', "'text' field"), ('{"txt": "x"}', "'text' field"),
      ('{"text": "\\ud800"}', "surrogate")],
 )  # fmt: skip
-def test_malformed_jsonl_names_file_and_line(tmp_path: Path, bad_line: str, reason: str) -> None:
-    path = tmp_path / "docs.jsonl"
-    path.write_text(f'{{"text": "fine"}}\n\n{bad_line}\n{{"text": "fine"}}\n')
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_malformed_jsonl_names_file_and_line(tmp_path: Path, bad_line: str, reason: str, suffix: str) -> None:
+    path = write_file(tmp_path / f"docs{suffix}", f'{{"text": "fine"}}\n\n{bad_line}\n{{"text": "fine"}}\n'.encode())
     with pytest.raises(DataError, match=f"{path}, line 3: .*{reason}"):
         build_token_store(path, ByteTokenizer(), tmp_path / "cache")
 
@@ -295,6 +321,130 @@ def test_unusable_sources_are_data_errors_naming_them(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="too little text"):
         build_token_store(tiny, ByteTokenizer(), tmp_path / "cache")
     assert list((tmp_path / "cache" / "tokens").iterdir()) == []  # a failed build leaves nothing behind
+
+
+# --- corpus formats --------------------------------------------------------------------------------------------
+
+FORMAT_TEXTS = [f"document {i}: {SAMPLE[i % 3]}" if i % 4 else "" for i in range(2 * PARQUET_BATCH_ROWS + 100)]
+"""Spans several Parquet batches and row groups; every fourth text is empty (skipped, in every format)."""
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst", ".parquet"])
+def test_formats_give_the_tokens_of_the_same_jsonl(tmp_path: Path, suffix: str) -> None:
+    tok = HFTokenizer(train_hf_tokenizer(tmp_path / "tokenizer.json", vocab_size=300))
+    plain = build_token_store(write_corpus(tmp_path / "a.jsonl", FORMAT_TEXTS), tok, tmp_path / "cache")
+    other = build_token_store(write_corpus(tmp_path / f"a{suffix}", FORMAT_TEXTS), tok, tmp_path / "cache")
+    assert other.identity == plain.identity
+    assert np.array_equal(other.train, plain.train) and np.array_equal(other.val, plain.val)
+
+
+def test_directory_mixes_formats_and_skips_other_archives(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    write_corpus(root / "a.jsonl.zst", ["first", "second"])
+    write_corpus(root / "b.parquet", ["third"])
+    write_file(root / "c.txt.gz", b"fourth\r\n")  # universal newlines, as for a plain .txt
+    write_file(root / "d.MD.ZST", b"fifth")
+    write_file(root / "e.tar.gz", b"not a corpus file")
+    store = build_token_store(root, ByteTokenizer(), tmp_path / "cache")
+    assert decoded_stream(store) == "first\n\nsecond\n\nthird\n\nfourth\n\n\nfifth"
+
+
+def test_concatenated_gzip_members_and_zstd_frames_are_all_read(tmp_path: Path) -> None:
+    """What `cat a.gz b.gz` and parallel compressors (pigz, pzstd) produce."""
+    halves = [jsonl_bytes(["one", "two"]), jsonl_bytes(["three"])]
+    (tmp_path / "a.jsonl.gz").write_bytes(b"".join(gzip.compress(h) for h in halves))
+    (tmp_path / "a.jsonl.zst").write_bytes(b"".join(pa.compress(h, codec="zstd", asbytes=True) for h in halves))
+    for suffix in (".jsonl.gz", ".jsonl.zst"):
+        store = build_token_store(tmp_path / f"a{suffix}", ByteTokenizer(), tmp_path / "cache")
+        assert decoded_stream(store) == "one\n\ntwo\n\nthree"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".jsonl.zst", ".txt.zst"])
+def test_truncated_or_garbled_compressed_file_is_data_error(tmp_path: Path, suffix: str) -> None:
+    path = write_corpus(tmp_path / f"docs{suffix}", [f"document {i}: {SAMPLE[0]}" for i in range(5_000)])
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    where = " after line [0-9]+" if ".jsonl" in suffix else ""
+    with pytest.raises(DataError, match=f"cannot read data file {path}{where}: .*runcated"):
+        build_token_store(path, ByteTokenizer(), tmp_path / "cache")
+    path.write_bytes(b"plain text where zstd or gzip data should be")
+    with pytest.raises(DataError, match=f"cannot read data file {path}: "):
+        build_token_store(path, ByteTokenizer(), tmp_path / "cache")
+
+
+def test_bad_parquet_files_are_data_errors_naming_them(tmp_path: Path) -> None:
+    path = tmp_path / "docs.parquet"
+
+    def expect(table: pa.Table, message: str) -> None:
+        pq.write_table(table, path)
+        with pytest.raises(DataError, match=message):
+            build_token_store(path, ByteTokenizer(), tmp_path / "cache")
+
+    expect(pa.table({"id": [1], "content": ["x"]}), f"{path} has no 'text' column \\(its columns: id, content\\)")
+    expect(pa.table({"text": [1, 2]}), f"{path}: column 'text' holds int64, not strings")
+    expect(pa.table({"text": ["fine", "fine", None]}), f"{path}, row 3: 'text' is null")
+    path.write_bytes(b"PAR1 but not really")
+    with pytest.raises(DataError, match=f"cannot read data file {path}: "):
+        build_token_store(path, ByteTokenizer(), tmp_path / "cache")
+
+
+MEMORY_PROBE = """
+import json, sys
+from pathlib import Path
+from hetero_node.models.data import build_token_store
+from hetero_node.models.tokenizer import ByteTokenizer
+
+def status_bytes(field):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+before = status_bytes("VmRSS")
+Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak RSS, to the current RSS
+store = build_token_store(Path(sys.argv[1]), ByteTokenizer(), Path(sys.argv[2]))
+print(json.dumps({"growth": status_bytes("VmHWM") - before, "n_tokens": store.n_tokens}))
+"""
+
+
+def write_large_corpus(path: Path, n_docs: int, doc_chars: int) -> None:
+    """Random hex documents as .jsonl.zst or Parquet, written 10,000 at a time. Random, so that the compressed
+    file is large too and a reader that kept compressed data around would show it."""
+    rng = np.random.default_rng(0)
+    chunks = (
+        [rng.bytes(doc_chars // 2).hex() for _ in range(min(10_000, n_docs - i))] for i in range(0, n_docs, 10_000)
+    )
+    if path.suffix == ".parquet":
+        with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+            for texts in chunks:
+                writer.write_table(pa.table({"text": texts}))
+        return
+    with pa.output_stream(str(path), compression="zstd") as out:
+        for texts in chunks:
+            out.write(jsonl_bytes(texts))
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is reset through Linux's /proc")
+@pytest.mark.parametrize(
+    ("suffix", "text_mib", "bound_mib"),
+    [(".jsonl.zst", 64, 16)]
+    + [pytest.param(s, 2048, b, marks=[pytest.mark.long, pytest.mark.timeout(1200)])
+       for s, b in ((".jsonl.zst", 16), (".parquet", 128))],
+)  # fmt: skip
+def test_tokenizing_a_corpus_larger_than_the_memory_bound(
+    tmp_path: Path, suffix: str, text_mib: int, bound_mib: int
+) -> None:
+    """A fresh process tokenizes the corpus; its peak RSS may grow by `bound_mib`, far less than the text or the
+    byte-level tokens (twice the text) it would take to hold either."""
+    doc_chars = 500
+    n_docs = (text_mib << 20) // doc_chars
+    path = tmp_path / f"corpus{suffix}"
+    write_large_corpus(path, n_docs, doc_chars)
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(path), str(tmp_path / "cache")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    measured = json.loads(result.stdout)
+    assert measured["n_tokens"] == n_docs * doc_chars + (n_docs - 1) * 2
+    assert measured["growth"] < bound_mib << 20, f"peak RSS grew by {measured['growth'] / 2**20:.0f} MiB"
 
 
 # --- token cache -----------------------------------------------------------------------------------------------
