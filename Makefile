@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak clean
+.PHONY: venv data demo test test-long docker-test lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -27,6 +27,11 @@ test: venv data
 # The slowest scenarios (a `small` model learning, six nodes settling at once, a killed stage being replaced).
 test-long: venv data
 	$(BIN)/python -m pytest -q -m long --durations=15
+
+# The Docker image, built from a debootstrap'd Debian base and run: a bootstrap and two joins in containers on a docker
+# network train `tiny` and agree (root; installs docker.io and debootstrap if missing, starts dockerd; 3 to 5 min).
+docker-test: venv
+	HETERO_NODE_DOCKER_TEST=1 $(BIN)/python -m pytest -q -s -m docker tests/test_docker.py --durations=5
 
 lint: venv
 	$(BIN)/ruff check .

@@ -31,7 +31,9 @@ def load_proto_module(stem: str) -> ModuleType:
     proto = PROTO_DIR / f"{stem}.proto"
     target = GENERATED_DIR / f"{stem}_pb2.py"
     GENERATED_DIR.mkdir(exist_ok=True)
-    (GENERATED_DIR / "__init__.py").touch()
+    init = GENERATED_DIR / "__init__.py"
+    if not init.exists():  # a read-only install (the Docker image's, run as non-root) has it already
+        init.touch()
     if not target.exists() or target.stat().st_mtime < proto.stat().st_mtime:
         _compile(proto, target)
     return importlib.import_module(f"hetero_node.protocol._generated.{stem}_pb2")
