@@ -4,7 +4,8 @@ Used by `hetero-node demo` and by the multi-peer tests, so both exercise exactly
 gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child, averager
 children and p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans them).
 With `link_mbit`, every peer instead runs in a namespace of its own on a `tc tbf`-shaped link (bench/netns.py),
-which the long benches use to run the same scenario over home-like links.
+which the long benches use to run the same scenario over home-like links; `behind_nat` puts some of them behind a
+NAT router of their own.
 """
 
 from __future__ import annotations
@@ -39,9 +40,17 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 class LocalSwarm:
     """A set of local peer processes with logs under `workdir`; use as a context manager."""
 
-    def __init__(self, workdir: Path, threads_per_peer: int = 1, link_mbit: float | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        threads_per_peer: int = 1,
+        link_mbit: float | None = None,
+        behind_nat: frozenset[str] = frozenset(),
+    ) -> None:
+        """`behind_nat`: peers (with `link_mbit`) that sit behind a NAT router of their own and cannot be dialed."""
         self.workdir = workdir
         self.link_mbit = link_mbit
+        self.behind_nat = behind_nat
         self.lab: NetLab | None = None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen] = {}
@@ -80,7 +89,10 @@ class LocalSwarm:
     def _lab_node(self, name: str) -> LabNode:
         """Peer `name`'s namespace and shaped link, made on first use."""
         assert self.lab is not None and self.link_mbit is not None
-        return self.lab.nodes.get(name) or self.lab.add_node(name, self.link_mbit)
+        if name in self.lab.nodes:
+            return self.lab.nodes[name]
+        add = self.lab.add_nat_node if name in self.behind_nat else self.lab.add_node
+        return add(name, self.link_mbit)
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 LAB_PREFIX = "hnlab"
 SUBNET = "10.213.0"  # a /24; labs never share it since each has its own hub, so one fixed subnet serves all
+NAT_SUBNET = "10.214"  # NAT'd nodes' LANs: 10.214.<k>.0/24 behind their routers
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 NODE_IF = "eth0"
 BRIDGE = "br0"
@@ -89,6 +90,15 @@ def netns_unavailable_reason() -> str | None:
     finally:
         _sh(["ip", "netns", "del", probe], check=False)
     return None
+
+
+@cache
+def nat_unavailable_reason() -> str | None:
+    """None when NAT'd lab nodes can be made (namespaces and iptables), else a one-line reason."""
+    reason = netns_unavailable_reason()
+    if reason is None and shutil.which("iptables") is None:
+        return "`iptables` not found (Debian: apt-get install iptables)"
+    return reason
 
 
 def _tbf_args(mbit: float) -> list[str]:
@@ -174,6 +184,29 @@ class NetLab:
         _sh(["tc", "-n", self.hub, "qdisc", "replace", "dev", hub_if, "root", *_tbf_args(down_mbit)])
         self.nodes[name] = node
         log.info("lab %s: node %s at %s, up %g / down %g Mbit/s", self.tag, name, node.address, up_mbit, down_mbit)
+        return node
+
+    def add_nat_node(self, name: str, up_mbit: float, down_mbit: float | None = None) -> LabNode:
+        """A node behind a home router: the router (`<name>-nat`) is an ordinary node on the bridge whose link is
+        shaped to the given rates; the node sits on a LAN behind it (10.214.<k>.0/24) and reaches the lab only
+        through the router's source NAT (iptables MASQUERADE), with no inbound mapping, so nobody can dial it.
+        Needs iptables (`nat_unavailable_reason`)."""
+        router = self.add_node(f"{name}-nat", up_mbit, down_mbit)
+        lan = f"{NAT_SUBNET}.{sum(n.name.endswith('-nat') for n in self.nodes.values())}"
+        node = LabNode(name, f"{self.tag}-{name}", f"{lan}.2", NODE_IF, router.up_mbit, router.down_mbit)
+        self._add_namespace(node.namespace)
+        _sh(["ip", "-n", router.namespace, "link", "add", "lan0", "type", "veth", "peer", "name", NODE_IF,
+             "netns", node.namespace])  # fmt: skip
+        _sh(["ip", "-n", router.namespace, "addr", "add", f"{lan}.1/24", "dev", "lan0"])
+        _sh(["ip", "-n", router.namespace, "link", "set", "lan0", "up"])
+        _sh(["ip", "-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", NODE_IF])
+        _sh(["ip", "-n", node.namespace, "link", "set", NODE_IF, "up"])
+        _sh(["ip", "-n", node.namespace, "route", "add", "default", "via", f"{lan}.1"])
+        _sh(["ip", "netns", "exec", router.namespace, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        _sh(["ip", "netns", "exec", router.namespace, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", NODE_IF,
+             "-j", "MASQUERADE"])  # fmt: skip
+        self.nodes[name] = node
+        log.info("lab %s: node %s at %s behind NAT router %s", self.tag, name, node.address, router.address)
         return node
 
     def popen(self, node: LabNode, argv: list[str], **kwargs: Any) -> subprocess.Popen:

@@ -23,6 +23,7 @@ from hetero_node.protocol.identity import create_identity, load_identity
 from hetero_node.protocol.keys import RUN_KEY_HANDLER, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
+from hetero_node.protocol.reachability import register_dialback_handler
 from hetero_node.protocol.records import RunAnnouncement, base_validators, run_validators
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.socket_dir import use_private_socket_dir
@@ -116,6 +117,7 @@ async def _serve_requests(_dht: Any, node: Any, public_key: bytes, run_id: str) 
 
     await node.p2p.add_protobuf_handler(RUN_KEY_HANDLER, answer_run_key, wire.RunKeyRequest)
     await register_probe_handlers(node.p2p)
+    await register_dialback_handler(node.p2p)
 
 
 async def _refresh_routing_table(_dht: object, node: Any) -> int:

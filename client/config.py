@@ -18,6 +18,9 @@ from hetero_node.protocol.run_config import OptimConfig
 __all__ = ["NodeConfig", "OptimConfig", "RunOptions", "SyncTimeouts", "TrainConfig"]
 
 
+REACHABILITY_MODES = ("auto", "direct", "relay")
+"""--reachability: how a node makes sure others can dial it (`client/swarm/reachability.py`)."""
+
 DATA_HELP = (
     "Your text, a file or a directory: .txt, .jsonl (a 'text' field), either also as .gz or .zst, or Parquet (a 'text' "
     "column)."
@@ -88,6 +91,12 @@ class NodeConfig:
     swarm_key: Path | None = field(
         default=None, metadata={"help": "A private swarm's key file (from `hetero-node swarm-key`): proves membership."}
     )
+    reachability: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: ask the bootstrap to dial back, join through a relay if it cannot; direct; relay (always)."
+        },
+    )
     replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
     checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
     metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
@@ -130,6 +139,8 @@ class NodeConfig:
         if not (0 <= self.step_delay_s < 3600):
             raise ConfigError(f"--step-delay-s must be in [0, 3600), got {self.step_delay_s}")
         require_ports(self, "port", "metrics_port")
+        if self.reachability not in REACHABILITY_MODES:
+            raise ConfigError(f"--reachability must be one of {', '.join(REACHABILITY_MODES)}, got {self.reachability}")
         if self.linger_s < 0:
             raise ConfigError(f"--linger-s must not be negative, got {self.linger_s}")
 

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import record_fields
+from factories import peer_record, record_fields
 
 from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.monitor.snapshot import read_snapshot
 from hetero_node.client.node.run_definition import fetch_run_announcement
 from hetero_node.client.roles.metrics import read_metrics
+from hetero_node.client.swarm.membership import peer_info, relay_of, relay_shares
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import peers_key
 from hetero_node.protocol.records import PeerRecord
@@ -59,6 +60,23 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 
 def valid_record(runtime: PeerRuntime, **changes: Any) -> dict[str, Any]:
     return record_fields(str(runtime.peer_id), **changes)
+
+
+def test_a_relayed_peer_plans_with_its_share_of_the_relays_link() -> None:
+    relay = peer_record("relay1", role="full", upload_mbps=100.0, download_mbps=80.0)
+    circuit = [f"/ip4/10.0.0.1/tcp/1/p2p/{relay.peer_id}/p2p-circuit"]
+    home = [peer_record(f"home{i}", upload_mbps=60.0, download_mbps=500.0, addrs=circuit) for i in range(2)]
+    via_bootstrap = ["/ip4/10.0.0.9/tcp/1/p2p/QmBootstrapWithoutARecord1111111/p2p-circuit"]
+    behind_bootstrap = peer_record("home9", upload_mbps=30.0, download_mbps=30.0, addrs=via_bootstrap)
+    direct = peer_record("direct1", upload_mbps=60.0, download_mbps=60.0, addrs=["/ip4/10.0.0.2/tcp/5"])
+    records = {r.peer_id: r for r in (relay, *home, behind_bootstrap, direct)}
+    shares = relay_shares(records)
+    assert shares[home[0].peer_id] == shares[home[1].peer_id] == (40.0, 40.0)  # 80 Mbit/s of the relay, halved
+    assert shares[behind_bootstrap.peer_id] == (30.0, 30.0)  # a relay with no record: its own figures
+    assert relay_of(direct) is None and direct.peer_id not in shares
+    infos = {info.peer_id: info for info in (peer_info(r, shares.get(pid)) for pid, r in records.items())}
+    assert infos[home[0].peer_id].relayed and infos[home[0].peer_id].link_mbps == 40.0
+    assert not infos[direct.peer_id].relayed
 
 
 def test_bootstrap_announces_the_run_and_keeps_its_peer_id_across_restarts(tmp_path: Path) -> None:

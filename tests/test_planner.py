@@ -239,6 +239,17 @@ def test_plan_link_pairing_whatever_the_ids() -> None:
         assert result.slots[fast1][0] != result.slots[slow1][0], ids
 
 
+def test_plan_direct_peers_are_pipeline_neighbours_and_relayed_ones_share_the_other_vr() -> None:
+    """2 direct + 2 relayed stage joiners, equal links, S = 2: the direct pair forms one VR, so its boundary never
+    crosses a relay, whatever the ids."""
+    for ids in ("abcd", "acbd", "dcba", "bdac"):
+        relayed1, direct1, relayed2, direct2 = ids
+        swarm = [peer(relayed1, relayed=True), peer(direct1), peer(relayed2, relayed=True), peer(direct2)]
+        result = plan(swarm, dataclasses.replace(REQ, full_memory_bytes=32 * GB))
+        assert result.slots[direct1][0] == result.slots[direct2][0] != result.slots[relayed1][0], ids
+        assert result.slots[relayed1][0] == result.slots[relayed2][0], ids
+
+
 def test_plan_link_pairing_among_equally_complete_vrs() -> None:
     """Rule b: two half-full VRs (one fast holder, one slow); a slow joiner completes the slow VR, a fast one the
     fast VR, whatever the vr ids."""

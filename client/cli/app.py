@@ -36,7 +36,7 @@ from hetero_node.bench.config import (
     SoakConfig,
     SwarmFuzzConfig,
 )
-from hetero_node.bootstrap.config import BootstrapConfig
+from hetero_node.bootstrap.config import BootstrapConfig, RelayConfig
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
@@ -184,6 +184,12 @@ def _run_configs(
     return configs, explicit
 
 
+def _bound_relay_service(relay: RelayConfig) -> None:
+    from hetero_node.protocol.reachability import bound_relay_service
+
+    bound_relay_service(relay.relay_slots, relay.relay_mb)
+
+
 RUN_FILE_OPTION = typer.Option(
     None,
     "--config",
@@ -196,6 +202,7 @@ RUN_FILE_OPTION = typer.Option(
 def bootstrap(
     context: typer.Context,
     cfg: BootstrapConfig,
+    relay: RelayConfig,
     run_options: RunOptions,
     outer: OuterConfig,
     optim: OptimConfig,
@@ -210,6 +217,7 @@ def bootstrap(
 
     configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     run, _store = prepare_run(*configs.values())
+    _bound_relay_service(relay)
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
@@ -240,6 +248,7 @@ def join(
     sparseloco: SparseLoCoConfig,
     pipeline: PipelineConfig,
     node: NodeConfig,
+    relay: RelayConfig,
     timeouts: SyncTimeouts,
     config: Path | None = RUN_FILE_OPTION,
     role: Role = typer.Option(
@@ -259,6 +268,7 @@ def join(
     peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
     node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
     configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    _bound_relay_service(relay)
     if quiet:
         run_node(configs, explicit, node, timeouts, role.value, stage, on_status=lambda _: None)
         return
@@ -327,6 +337,21 @@ def status(
     if serve is not None and not 0 <= serve < 65536:
         raise ConfigError(f"--serve must be in 0..65535, got {serve}")
     show_status(peers, run_id, as_json, watch, serve, console)
+
+
+@app.command()
+def doctor(
+    peers: list[str] = typer.Option(..., "--peers", help="The bootstrap's multiaddr, as `join` would get it."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Interface to listen on, as `join --host`."),
+    port: int = typer.Option(0, "--port", help="TCP port to listen on, as `join --port` (0: any free port)."),
+) -> None:
+    """Check that this node can join and be reached: p2pd, the join line, the bootstrap, dial-back, addresses."""
+    from hetero_node.client.cli.doctor import run_doctor
+
+    if not 0 <= port < 65536:
+        raise ConfigError(f"--port must be in 0..65535, got {port}")
+    if not run_doctor(peers, host, port, console):
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -24,6 +24,7 @@ from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.client.roles.replica import leave_on_signals
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.planner import Requirements
+from hetero_node.client.swarm.reachability import reachable_runtime
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.trainer import resolve_device
@@ -50,7 +51,7 @@ def _initial_record(
     step_s = run.batch_size * run.seq_len / throughput + node.step_delay_s if throughput > 0 else 0.0
     return PeerRecord(
         peer_id=str(runtime.peer_id),
-        addrs=runtime.visible_maddrs[:16],
+        addrs=runtime.advertised_addrs[:16],
         version=version("hetero-node"),
         gpus=[{"name": name[:128], "memory_gb": round(gb, 2)} for name, gb in hardware.gpus],
         cpu_cores=hardware.cpu_cores,
@@ -119,7 +120,10 @@ def run_node(
     from hetero_node.client.roles.stage_peer import StagePeer
 
     swarm_key = load_swarm_key(node.swarm_key)
-    runtime = PeerRuntime(node.peers, node.host, node.port, node.identity, swarm_key=swarm_key)
+    runtime = reachable_runtime(
+        lambda relays: PeerRuntime(node.peers, node.host, node.port, node.identity, swarm_key=swarm_key, relays=relays),
+        node.reachability,
+    )
     stop = threading.Event()
     leave_on_signals(stop)
     membership = None

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from typing import Any
 
 from hivemind.utils import get_dht_time
 
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.planner import PeerInfo, Plan, Requirements, plan
+from hetero_node.client.swarm.reachability import CIRCUIT_SUFFIX
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
@@ -28,13 +30,40 @@ logger = logging.getLogger(__name__)
 GB = 1e9
 
 
-def peer_info(record: PeerRecord) -> PeerInfo:
-    """The planner's view of a (schema-valid) record."""
+def relay_of(record: PeerRecord) -> str | None:
+    """The peer id of the relay a relayed peer announces (its first circuit address), None for a direct peer."""
+    circuits = [a for a in record.addrs if a.endswith(CIRCUIT_SUFFIX)]
+    return circuits[0].removesuffix(CIRCUIT_SUFFIX).rpartition("/p2p/")[2] if circuits else None
+
+
+def relay_shares(records: dict[str, PeerRecord]) -> dict[str, tuple[float, float]]:
+    """Relayed peer → (up, down) Mbit/s it can count on: a relayed link is the relay's, shared by everyone relayed
+    through it (each relayed byte crosses the relay's link twice: in and out). A relay without a record (the
+    bootstrap) is not known: the peer's own figures stand."""
+    relays = {pid: relay_of(r) for pid, r in records.items()}
+    users = Counter(relay for relay in relays.values() if relay is not None)
+    shares = {}
+    for pid, relay in relays.items():
+        own = records[pid]
+        if relay is None:
+            continue
+        if relay in records:
+            hub, n = records[relay], users[relay]
+            link = min(hub.upload_mbps, hub.download_mbps) / n
+            shares[pid] = (min(own.upload_mbps, link), min(own.download_mbps, link))
+        else:
+            shares[pid] = (own.upload_mbps, own.download_mbps)
+    return shares
+
+
+def peer_info(record: PeerRecord, share: tuple[float, float] | None = None) -> PeerInfo:
+    """The planner's view of a (schema-valid) record; `share`: a relayed peer's (up, down) from `relay_shares`."""
+    up, down = share or (record.upload_mbps, record.download_mbps)
     return PeerInfo(
         peer_id=record.peer_id,
         memory_bytes=int(record.memory_gb * GB),
-        upload_mbps=record.upload_mbps,
-        download_mbps=record.download_mbps,
+        upload_mbps=up,
+        download_mbps=down,
         tokens_per_s=record.tokens_per_s,
         role=record.role,
         vr=record.vr,
@@ -42,11 +71,13 @@ def peer_info(record: PeerRecord) -> PeerInfo:
         requested_role=record.requested_role,
         pinned_stage=record.pinned_stage,
         claimed_at=record.claimed_at,
+        relayed=share is not None,
     )
 
 
 def plan_from_records(records: dict[str, PeerRecord], req: Requirements) -> Plan:
-    return plan((peer_info(r) for r in records.values()), req)
+    shares = relay_shares(records)
+    return plan((peer_info(r, shares.get(pid)) for pid, r in records.items()), req)
 
 
 class Membership:

@@ -74,6 +74,7 @@ class PeerInfo:
     requested_role: str = REQUEST_AUTO  # "auto" | "full" | "stage" (the node's --role)
     pinned_stage: int = -1  # --stage N: only this stage
     claimed_at: float = 0.0  # DHT time of this stage peer's claim on its slot: the earliest claim keeps a slot
+    relayed: bool = False  # reachable only through a circuit relay (its link figures are then its share of the relay's)
 
     @property
     def claim_order(self) -> tuple[float, str]:
@@ -250,10 +251,12 @@ def _valid_slot(peer: PeerInfo, req: Requirements) -> bool:
     return peer.vr >= 0 and 0 <= peer.stage < req.stages and pin_ok
 
 
-def _placement_order(peer: PeerInfo, req: Requirements) -> tuple[int, float, str]:
+def _placement_order(peer: PeerInfo, req: Requirements) -> tuple[int, bool, float, str]:
     """Most constrained first (fewest fitting stages: pins and small memories take what they can before flexible
-    peers fill it), then fastest link first (fast peers fill VRs together, slow ones end up together), then id."""
-    return (len(fitting_stages(peer, req)), -peer.link_mbps, peer.peer_id)
+    peers fill it), then directly reachable peers before relayed ones (direct peers fill VRs together, so their
+    pipeline neighbours are direct too and relay hops stay inside the VRs of relayed peers), then fastest link first
+    (fast peers fill VRs together, slow ones end up together), then id."""
+    return (len(fitting_stages(peer, req)), peer.relayed, -peer.link_mbps, peer.peer_id)
 
 
 def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
@@ -267,9 +270,10 @@ def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
        starts as full replicas + VRs with at least one holder after step 1, and grows by one each time a joiner
        becomes full. Stage joiners do not count: how many VRs they form is known only after placement, so a batch
        of joiners may be judged against fewer replicas than it ends up with; later joiners see those VRs.
-    4. Stage peers needing a slot are placed greedily, one at a time, ordered by `_placement_order` (not plain
-       peer-id order: with id order, 2 fast + 2 slow joiners with ids fast, slow, fast, slow would pair fast with
-       slow, because finishing the open VR comes first). Each goes to the best free slot it fits (memory and pin):
+    4. Stage peers needing a slot are placed greedily, one at a time, ordered by `_placement_order` (direct before
+       relayed peers; not plain peer-id order: with id order, 2 fast + 2 slow joiners with ids fast, slow, fast,
+       slow would pair fast with slow, because finishing the open VR comes first). Each goes to the best free
+       slot it fits (memory and pin):
          a. an incomplete VR, the one with most holders first;
          b. among equally complete ones, the one whose slowest holder link is closest to the peer's (log ratio);
          c. then lowest vr; within the VR, the missing stage fewest peers hold swarm-wide, then lowest stage;

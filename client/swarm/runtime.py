@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hetero_node.client.swarm.reachability import RelayDialer, relay_addresses
 from hetero_node.protocol.errors import DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
@@ -28,6 +29,7 @@ from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.rate_limit import PeerBudget
+from hetero_node.protocol.reachability import register_dialback_handler
 from hetero_node.protocol.records import PeerRecord, base_validators, parse_peer_record, run_validators
 from hetero_node.protocol.socket_dir import use_private_socket_dir
 from hetero_node.protocol.swarm_key import MemberProofValidator, is_member
@@ -134,6 +136,12 @@ def read_peer_records(
     return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key)
 
 
+def relay_options(relays: list[str]) -> dict[str, Any]:
+    """hivemind.DHT options of a node that cannot be dialed: reserve a slot on `relays` at once (p2pd's AutoNAT
+    would need several peers to decide we are private before looking for relays)."""
+    return {"use_auto_relay": True, "force_reachability": "private", "trusted_relays": relays}
+
+
 def use_fork_start_method() -> None:
     """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
     state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
@@ -156,7 +164,10 @@ class PeerRuntime:
         announce_maddrs: list[str] | None = None,
         client_mode: bool = False,
         swarm_key: bytes | None = None,
+        relays: list[str] | None = None,
     ) -> None:
+        """`relays`: peers to be reachable through (this node cannot be dialed: `client/swarm/reachability.py`);
+        a relayed node is a DHT client, since nobody could route DHT requests to it."""
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
 
@@ -178,8 +189,9 @@ class PeerRuntime:
                 identity_path=str(identity),
                 check_if_identity_free=not fresh,  # a key made just now is nobody else's
                 record_validators=base_validators(self.signer),
-                client_mode=client_mode,
+                client_mode=client_mode or bool(relays),
                 start=True,
+                **(relay_options(relays) if relays else {}),
             )
         except Exception as e:  # hivemind reports unreachable bootstraps as a generic error from its child
             raise PeerAddressError(f"could not join the swarm through {peers}: {e}") from None
@@ -187,6 +199,7 @@ class PeerRuntime:
             if scratch is not None:  # p2pd has read the key by now (or failed): a temporary name leaves no file
                 shutil.rmtree(scratch, ignore_errors=True)
         self.initial_peers = peers
+        self.relays = relays or []
         self.swarm_key = swarm_key
         """A private swarm's key (`protocol/swarm_key.py`); None in a public swarm."""
         self._members: set[str] = set()
@@ -208,8 +221,10 @@ class PeerRuntime:
         self._heartbeat: Any = None
         self.p2p = self.run(self.dht.replicate_p2p())
         self.peer_id = self.p2p.peer_id
-        if not client_mode:
+        self.relay_dialer = RelayDialer(self)
+        if not client_mode and not relays:
             self.run(register_probe_handlers(self.p2p))
+            self.run(register_dialback_handler(self.p2p))
 
     def join_run(self, run_id: str, serve: bool = True) -> None:
         """Validate this run's peer records and (unless only watching) serve its blobs."""
@@ -232,6 +247,11 @@ class PeerRuntime:
     @property
     def visible_maddrs(self) -> list[str]:
         return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    @property
+    def advertised_addrs(self) -> list[str]:
+        """What our record tells others to dial: our circuits when relayed, else our listen addresses."""
+        return relay_addresses(self.relays) if self.relays else self.visible_maddrs
 
     def p2pd_alive(self) -> bool:
         """Whether this node's p2p daemon still runs. hivemind does not notice when it dies: every call just fails,
@@ -406,10 +426,11 @@ class PeerRuntime:
         """As `read_records`, with each record's DHT expiration time."""
         if not self.dht.is_alive():  # a signal to the whole process group took the DHT down: do not wait
             return None
-        records = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self._dht_lock)
-        if records is not None:
-            self._members, self._members_read = set(records), time.monotonic()
-        return records
+        timed = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self._dht_lock)
+        if timed is not None:
+            self._members, self._members_read = set(timed), time.monotonic()
+            self.relay_dialer.note({pid: record for pid, (record, _) in timed.items()})
+        return timed
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""

@@ -1,0 +1,135 @@
+"""Whether this node can be dialed, and what to do when it cannot: join through a circuit relay.
+
+`check_reachability` asks the peers we joined through to dial us back (`protocol/reachability.py`). A node that
+is not reachable restarts its daemon relayed: p2pd's auto-relay reserves a slot on those peers (the bootstrap by
+default; every hetero-node peer serves as a relay unless told not to), and the node announces
+`<relay>/p2p-circuit` addresses in its record. `RelayDialer` is the other half, on every peer: it connects to
+relayed peers through their circuit addresses as their records appear, which puts those addresses into the local
+daemon's peerstore, so fetching a relayed peer's message or sending it activations works like any other call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hetero_node.protocol.reachability import ask_dial_back, bound_relay_service, circuit_multiaddr
+from hetero_node.protocol.records import PeerRecord
+
+if TYPE_CHECKING:
+    from hetero_node.client.swarm.runtime import PeerRuntime
+
+logger = logging.getLogger(__name__)
+
+CIRCUIT_SUFFIX = "/p2p-circuit"
+REDIAL_S = 60.0
+"""How often a relayed peer's circuit is dialed again (relayed connections are closed by the relay after a while)."""
+MAX_ASKED = 3
+
+
+@dataclass
+class Reachability:
+    """The outcome of asking peers to dial us back; `reachable` is None when no peer answered."""
+
+    reachable: bool | None
+    ports: list[int] = field(default_factory=list)
+    observed: list[str] = field(default_factory=list)
+    """Our address as the answering peers see it (behind NAT: the router's)."""
+    accepted: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def listen_ports(addrs: list[str]) -> list[int]:
+    """TCP ports of our own (non-relayed) listen addresses."""
+    ports: list[int] = []
+    for addr in addrs:
+        parts = addr.split("/")
+        if CIRCUIT_SUFFIX not in addr and "tcp" in parts:
+            port = int(parts[parts.index("tcp") + 1])
+            if port not in ports:
+                ports.append(port)
+    return ports
+
+
+def check_reachability(runtime: PeerRuntime, timeout: float = 15.0) -> Reachability:
+    """Ask up to `MAX_ASKED` of the peers we joined through to dial our listen ports back."""
+    from hivemind.p2p import PeerID
+
+    result = Reachability(reachable=None, ports=listen_ports(runtime.visible_maddrs))
+    for address in runtime.initial_peers[:MAX_ASKED]:
+        peer = PeerID.from_base58(address.rpartition("/p2p/")[2])
+        try:
+            reply = runtime.run(ask_dial_back(runtime.p2p, peer, result.ports), timeout=timeout)
+        except Exception as e:  # an old peer without the handler, a timeout: ask the next one
+            result.errors.append(f"{address}: {e!r}"[:300])
+            continue
+        result.observed += [h for h in reply.observed if h not in result.observed]
+        result.accepted += list(reply.reachable)
+        result.reachable = bool(result.accepted)
+        if result.reachable:
+            break
+    return result
+
+
+def relay_addresses(relays: list[str]) -> list[str]:
+    """The circuit addresses a relayed node announces: one through each relay."""
+    return [relay + CIRCUIT_SUFFIX for relay in relays]
+
+
+def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: str) -> PeerRuntime:
+    """A runtime others can reach: direct when the dial-back check passes (or `mode` is "direct"), else started
+    again relayed through the peers it joined through (`mode`: --reachability). `start(relays)` makes a runtime."""
+    runtime = start(None)
+    if mode == "direct":
+        return runtime
+    if mode == "auto":
+        result = check_reachability(runtime)
+        if result.reachable is not False:
+            if result.reachable is None:
+                logger.warning(
+                    "no peer answered the dial-back check (%s); assuming this node is reachable", result.errors
+                )
+            else:
+                logger.info("reachable from outside at %s", ", ".join(result.accepted))
+            return runtime
+        logger.warning(
+            "peers see this node at %s but cannot connect to port(s) %s (behind NAT or a firewall): joining through a "
+            "relay", ", ".join(result.observed) or "?", ", ".join(map(str, result.ports)),
+        )  # fmt: skip
+    relays = runtime.initial_peers
+    runtime.shutdown()
+    bound_relay_service(0, 1)  # nobody can reach us to be relayed
+    runtime = start(relays)
+    logger.info("relayed through %s", ", ".join(relays))
+    return runtime
+
+
+class RelayDialer:
+    """Connects to relayed peers through their circuit addresses as their records appear (see module docstring)."""
+
+    def __init__(self, runtime: PeerRuntime) -> None:
+        self.runtime = runtime
+        self._dialed: dict[str, float] = {}
+
+    def note(self, records: dict[str, PeerRecord]) -> None:
+        now = time.monotonic()
+        for pid, record in records.items():
+            circuits = [a for a in record.addrs if a.endswith(CIRCUIT_SUFFIX)]
+            if not circuits or pid == str(self.runtime.peer_id) or now - self._dialed.get(pid, -REDIAL_S) < REDIAL_S:
+                continue
+            self._dialed[pid] = now
+            asyncio.run_coroutine_threadsafe(self._connect(pid, circuits), self.runtime.loop)
+
+    async def _connect(self, pid: str, circuits: list[str]) -> None:
+        from hivemind.p2p import PeerID
+
+        try:
+            addrs: list[Any] = [circuit_multiaddr(a) for a in circuits[:4]]
+            await self.runtime.p2p._client.connect(PeerID.from_base58(pid), addrs)
+        except Exception as e:  # the relay has no reservation yet, or the peer left: try again at the next read
+            logger.debug("connecting to relayed peer %s failed: %r", pid, e)
+            self._dialed.pop(pid, None)

@@ -1,0 +1,158 @@
+"""Volunteers behind NAT: a lab node behind a router doing source NAT dials out but cannot be dialed; such a node
+detects it (the bootstrap's dial-back fails), joins through a circuit relay on the bootstrap, and takes part fully:
+its SparseLoCo message is fetched by the public replica through the relay, and as a pipeline stage it exchanges
+activations with its neighbour. Needs root, network namespaces and iptables (`sudo make test`)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from swarm_helpers import join_args, rounds_of, run_args, wait_for_round
+
+from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.bench.netns import NetLab, nat_unavailable_reason
+from hetero_node.bootstrap.config import RelayConfig
+from hetero_node.protocol.reachability import bound_relay_service
+
+UNAVAILABLE = nat_unavailable_reason()
+needs_nat_lab = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"NAT lab unavailable: {UNAVAILABLE}")
+
+LINK_MBIT = 100.0
+LISTEN = "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 5555)); s.listen(); time.sleep(30)"
+CONNECT = (
+    "import socket, sys; s = socket.socket(); s.settimeout(2)\n"
+    "try:\n    s.connect((sys.argv[1], 5555)); print('connected')\nexcept OSError as e:\n    print('refused', e)"
+)
+
+
+@needs_nat_lab
+def test_a_node_behind_nat_dials_out_and_cannot_be_dialed() -> None:
+    with NetLab() as lab:
+        public, home = lab.add_node("public", LINK_MBIT), lab.add_nat_node("home", LINK_MBIT)
+        lab.popen(public, [sys.executable, "-c", LISTEN])
+        lab.popen(home, [sys.executable, "-c", LISTEN])
+        time.sleep(1.0)
+        out = lab.run(home, [sys.executable, "-c", CONNECT, public.address], capture_output=True, text=True)
+        assert out.stdout.startswith("connected"), out
+        back = lab.run(public, [sys.executable, "-c", CONNECT, home.address], capture_output=True, text=True)
+        assert back.stdout.startswith("refused"), back  # no route to the LAN
+        router = lab.nodes["home-nat"].address
+        mapped = lab.run(public, [sys.executable, "-c", CONNECT, router], capture_output=True, text=True)
+        assert mapped.stdout.startswith("refused"), mapped  # the router has no inbound mapping
+
+
+def node_args(swarm: LocalSwarm, peers: str, name: str, index: int, workdir: Path, **extra: str) -> list[str]:
+    return join_args(peers, index, workdir, host=swarm.host(name), **extra)
+
+
+@needs_nat_lab
+@pytest.mark.multipeer
+@pytest.mark.timeout(400)
+def test_a_replica_behind_nat_joins_through_the_relay_and_contributes_every_round(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r1"})) as swarm:
+        peers = swarm.start_bootstrap([*run_args(4, inner_steps=6), "--host", swarm.host("bootstrap")])
+        doctor = swarm.lab.run(
+            swarm.lab.nodes.get("r1") or swarm.lab.add_nat_node("r1", LINK_MBIT),
+            [sys.executable, "-m", "hetero_node.client.cli", "doctor", "--peers", peers, "--host", swarm.host("r1")],
+            capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+        assert doctor.returncode == 1 and "cannot connect to port" in doctor.stdout, doctor.stdout + doctor.stderr
+        assert "what to do: nothing to do: join detects this and trains through a relay" in doctor.stdout
+        for i in range(2):
+            swarm.start(f"r{i}", node_args(swarm, peers, f"r{i}", i, tmp_path, min_peers="2"))
+        for i in range(2):
+            assert swarm.wait(f"r{i}", 300) == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
+        relay_rx, relay_tx = swarm.lab.counters(swarm.lab.nodes["bootstrap"]) if swarm.lab else (0, 0)
+    nat_log, public_log = (tmp_path / "r1.log").read_text(), (tmp_path / "r0.log").read_text()
+    assert "joining through a relay" in nat_log and "relayed through" in nat_log
+    assert "reachable from outside at" in public_log
+    public, nat = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
+    assert set(public) == set(nat) == set(range(4))
+    for t in range(4):
+        assert public[t]["fingerprints"] == nat[t]["fingerprints"], f"round {t} disagrees"
+        assert nat[t]["contributed"] and public[t]["contributed"] and public[t]["contributors"] == 2
+        assert public[t]["bytes_received"] > 0, "the public replica fetched nothing from the relayed one"
+    sent_by_nat = sum(r["bytes_sent"] for r in nat.values())
+    assert sent_by_nat >= sum(public[t]["bytes_received"] for t in range(3)), "r1's messages were served by r1"
+    assert relay_rx + relay_tx > 2 * sent_by_nat, "the relayed bytes crossed the bootstrap's link both ways"
+
+
+@needs_nat_lab
+@pytest.mark.multipeer
+@pytest.mark.timeout(480)
+def test_a_virtual_replica_whose_last_stage_is_behind_nat_trains_and_contributes(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"s1"})) as swarm:
+        peers = swarm.start_bootstrap([*run_args(200, inner_steps=6, round_s="4"), "--host", swarm.host("bootstrap")])
+        swarm.start("r0", node_args(swarm, peers, "r0", 0, tmp_path, min_peers="2"))
+        for index, stage in ((10, 0), (11, 1)):
+            args = node_args(swarm, peers, f"s{stage}", index, tmp_path, stage_timeout_s="15")
+            args[args.index("--role") + 1] = "stage"
+            swarm.start(f"s{stage}", [*args, "--stage", str(stage)])
+        deadline = time.monotonic() + 300
+        while len(vr_rounds(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        wait_for_round(tmp_path, 0, 0, timeout=5)
+    assert "joining through a relay" in (tmp_path / "s1.log").read_text()
+    together = vr_rounds(tmp_path)
+    assert len(together) >= 2, (
+        f"the VR did not contribute twice: {[(t, r['contributors']) for t, r in rounds_of(tmp_path, 0).items()]}"
+    )
+    full, s0, s1 = (rounds_of(tmp_path, i) for i in (0, 10, 11))
+    for t in together:
+        assert s1[t]["fingerprints"] == {"1": full[t]["fingerprints"]["1"], "fixed": full[t]["fingerprints"]["fixed"]}
+        assert s1[t]["boundary_bytes_received"] == s0[t]["boundary_bytes_sent"] > 0, "activations reached s1"
+        assert s0[t]["boundary_bytes_received"] == s1[t]["boundary_bytes_sent"] > 0, "gradients came back"
+
+
+def vr_rounds(workdir: Path) -> list[int]:
+    """Rounds in which both stages contributed and the full replica aggregated the virtual replica's message."""
+    full, s0, s1 = (rounds_of(workdir, i) for i in (0, 10, 11))
+    return [t for t in s1 if t in s0 and t in full and s1[t]["contributed"] and s0[t]["contributed"]
+            and full[t]["contributors"] == 2]  # fmt: skip
+
+
+def test_relay_bounds_reach_the_daemon() -> None:
+    """The --relay-slots / --relay-mb flags are on the command line of the p2pd hivemind starts, and it runs."""
+    from hivemind.p2p import P2P
+
+    async def daemon_command_line() -> list[str]:
+        p2p = await P2P.create()
+        try:
+            return psutil.Process(p2p._child.pid).cmdline()
+        finally:
+            await p2p.shutdown()
+
+    try:
+        bound_relay_service(3, 10)
+        lent = asyncio.run(daemon_command_line())
+        bound_relay_service(0, 1)
+        off = asyncio.run(daemon_command_line())
+    finally:
+        bound_relay_service(RelayConfig().relay_slots, RelayConfig().relay_mb)
+    assert {"-relayService=1", "-relayMaxReservations=3", f"-relayDataLimit={10 << 20}"} <= set(lent), lent
+    assert "-relayService=0" in off and "-relayService=1" not in off
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(200)
+def test_doctor_passes_on_a_reachable_node_and_explains_a_wrong_join_line(tmp_path: Path) -> None:
+    with LocalSwarm(tmp_path) as swarm:
+        peers = swarm.start_bootstrap(run_args(1))
+        ok = subprocess.run(
+            [sys.executable, "-m", "hetero_node.client.cli", "doctor", "--peers", peers, "--host", "127.0.0.1"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    for check in ("p2p daemon", "join line", "bootstrap reachable", "run announced", "reachable from outside"):
+        assert f"ok      {check}: " in ok.stdout, (check, ok.stdout)
+    wrong = subprocess.run(
+        [sys.executable, "-m", "hetero_node.client.cli", "doctor", "--peers", "/ip4/127.0.0.1/tcp/1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert wrong.returncode == 1 and "FAILED" in wrong.stdout and "copy the whole line" in wrong.stdout
