@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak clean
+.PHONY: venv data demo test test-long docker-test lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -70,6 +70,10 @@ bench-poison: venv
 # peer, and what is left after SIGTERM.
 bench-soak: venv data
 	$(BIN)/hetero-node bench-soak --out bench/results/soak
+
+# What a circuit relay costs: two replicas on 20 Mbit/s links, direct, then one behind a NAT router (root; ~4 min).
+bench-nat: venv data
+	$(BIN)/hetero-node bench-nat --out bench/results/nat
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

@@ -290,3 +290,17 @@ class SoakConfig:
             raise ConfigError(f"--virtual and --link-mbit must not be negative, got {self.virtual}, {self.link_mbit}")
         if not 0 <= self.warmup_minutes < self.minutes:
             raise ConfigError(f"--warmup-minutes must be in [0, --minutes), got {self.warmup_minutes}")
+
+
+@dataclass(frozen=True)
+class NatBenchConfig:
+    """The relay's cost: two full replicas, the second public then behind NAT, on shaped links (root)."""
+
+    preset: str = field(default="small", metadata={"help": "Model preset."})
+    rounds: int = field(default=6, metadata={"help": "Outer rounds per scenario."})
+    round_s: float = field(default=8.0, metadata={"help": "Round length in seconds."})
+    link_mbit: float = field(default=20.0, metadata={"help": "Every node's up and down link in Mbit/s (tc tbf)."})
+    out: Path = field(default=Path("bench/results/nat"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "rounds", "round_s", "link_mbit")

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from swarm_helpers import join_args, rounds_of, run_args, wait_for_round
 
 from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.bench.nat_relay import render_markdown, summarise
 from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 from hetero_node.bootstrap.config import RelayConfig
 from hetero_node.protocol.reachability import bound_relay_service
@@ -54,33 +56,41 @@ def node_args(swarm: LocalSwarm, peers: str, name: str, index: int, workdir: Pat
 @needs_nat_lab
 @pytest.mark.multipeer
 @pytest.mark.timeout(400)
-def test_a_replica_behind_nat_joins_through_the_relay_and_contributes_every_round(tmp_path: Path) -> None:
+def test_a_replica_behind_nat_is_told_so_by_doctor_joins_relayed_and_contributes_every_round(tmp_path: Path) -> None:
+    """The NAT'd replica also dials the public one directly (outbound works), so their messages can take that
+    connection; the relay is what makes it reachable at all."""
     with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r1"})) as swarm:
-        peers = swarm.start_bootstrap([*run_args(4, inner_steps=6), "--host", swarm.host("bootstrap")])
+        peers = swarm.start_bootstrap(run_args(4, inner_steps=6))
         doctor = swarm.lab.run(
-            swarm.lab.nodes.get("r1") or swarm.lab.add_nat_node("r1", LINK_MBIT),
+            swarm.lab.add_nat_node("r1", LINK_MBIT),
             [sys.executable, "-m", "hetero_node.client.cli", "doctor", "--peers", peers, "--host", swarm.host("r1")],
             capture_output=True, text=True, check=False, timeout=120,
         )  # fmt: skip
         assert doctor.returncode == 1 and "cannot connect to port" in doctor.stdout, doctor.stdout + doctor.stderr
         assert "what to do: nothing to do: join detects this and trains through a relay" in doctor.stdout
-        for i in range(2):
-            swarm.start(f"r{i}", node_args(swarm, peers, f"r{i}", i, tmp_path, min_peers="2"))
-        for i in range(2):
-            assert swarm.wait(f"r{i}", 300) == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
-        relay_rx, relay_tx = swarm.lab.counters(swarm.lab.nodes["bootstrap"]) if swarm.lab else (0, 0)
-    nat_log, public_log = (tmp_path / "r1.log").read_text(), (tmp_path / "r0.log").read_text()
-    assert "joining through a relay" in nat_log and "relayed through" in nat_log
-    assert "reachable from outside at" in public_log
-    public, nat = rounds_of(tmp_path, 0), rounds_of(tmp_path, 1)
-    assert set(public) == set(nat) == set(range(4))
-    for t in range(4):
-        assert public[t]["fingerprints"] == nat[t]["fingerprints"], f"round {t} disagrees"
-        assert nat[t]["contributed"] and public[t]["contributed"] and public[t]["contributors"] == 2
-        assert public[t]["bytes_received"] > 0, "the public replica fetched nothing from the relayed one"
-    sent_by_nat = sum(r["bytes_sent"] for r in nat.values())
-    assert sent_by_nat >= sum(public[t]["bytes_received"] for t in range(3)), "r1's messages were served by r1"
-    assert relay_rx + relay_tx > 2 * sent_by_nat, "the relayed bytes crossed the bootstrap's link both ways"
+        public, nat = train_two_replicas(swarm, peers, tmp_path, rounds=4)
+    assert "reachable from outside at" in (tmp_path / "r0.log").read_text()
+    assert sum(r["bytes_sent"] for r in nat.values()) >= sum(public[t]["bytes_received"] for t in range(3))
+
+
+def train_two_replicas(
+    swarm: LocalSwarm, peers: str, workdir: Path, rounds: int
+) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """r0 and r1 train `rounds` rounds; the NAT'd one joined relayed, both contributed every round and agree."""
+    for i in range(2):
+        swarm.start(f"r{i}", node_args(swarm, peers, f"r{i}", i, workdir, min_peers="2"))
+    for i in range(2):
+        assert swarm.wait(f"r{i}", 300) == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
+    for name in swarm.behind_nat:
+        log = (workdir / f"{name}.log").read_text()
+        assert "joining through a relay" in log and "relayed through" in log, log[-3000:]
+    first, second = rounds_of(workdir, 0), rounds_of(workdir, 1)
+    assert set(first) == set(second) == set(range(rounds))
+    for t in range(rounds):
+        assert first[t]["fingerprints"] == second[t]["fingerprints"], f"round {t} disagrees"
+        assert first[t]["contributed"] and second[t]["contributed"] and first[t]["contributors"] == 2
+        assert first[t]["bytes_received"] > 0 and second[t]["bytes_received"] > 0, "a message was not fetched"
+    return first, second
 
 
 @needs_nat_lab
@@ -88,7 +98,7 @@ def test_a_replica_behind_nat_joins_through_the_relay_and_contributes_every_roun
 @pytest.mark.timeout(480)
 def test_a_virtual_replica_whose_last_stage_is_behind_nat_trains_and_contributes(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"s1"})) as swarm:
-        peers = swarm.start_bootstrap([*run_args(200, inner_steps=6, round_s="4"), "--host", swarm.host("bootstrap")])
+        peers = swarm.start_bootstrap(run_args(200, inner_steps=6, round_s="4"))
         swarm.start("r0", node_args(swarm, peers, "r0", 0, tmp_path, min_peers="2"))
         for index, stage in ((10, 0), (11, 1)):
             args = node_args(swarm, peers, f"s{stage}", index, tmp_path, stage_timeout_s="15")
@@ -156,3 +166,28 @@ def test_doctor_passes_on_a_reachable_node_and_explains_a_wrong_join_line(tmp_pa
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert wrong.returncode == 1 and "FAILED" in wrong.stdout and "copy the whole line" in wrong.stdout
+
+
+def test_the_relay_bench_summarises_rounds_and_links() -> None:
+    def record(comm_s: float, contributed: bool = True, fp: str = "a") -> dict[str, object]:
+        return {"contributed": contributed, "comm_s": comm_s, "bytes_received": 1000, "fingerprints": {"0": fp}}
+
+    run = {
+        "records": {"r0": {0: record(1.0), 1: record(3.0)}, "r1": {0: record(2.0, False), 1: record(2.0)}},
+        "link_bytes": {"bootstrap": 900, "r0": 400, "r1": 600},
+        "wall_s": 30.0,
+    }
+    summary = summarise(run, rounds=2)
+    assert summary["rounds_contributed"] == {"r0": 2, "r1": 1} and summary["comm_s"] == {"r0": 2.0, "r1": 2.0}
+    assert summary["round_wall_s"] == 15.0 and summary["link_bytes_per_round"] == {
+        "bootstrap": 450,
+        "r0": 200,
+        "r1": 300,
+    }
+    assert summary["agree"]
+    run["records"]["r1"][1] = record(2.0, fp="b")
+    report = {
+        "config": {"preset": "tiny", "rounds": 2, "round_s": 4, "link_mbit": 20},
+        "scenarios": {"relayed": summarise(run, 2)},
+    }
+    assert "| relayed | 2, 1 | 2.0, 2.0 | 1,000, 1,000 | 15.0 | 450, 200, 300 | NO |" in render_markdown(report)

@@ -31,6 +31,7 @@ from hetero_node.bench.config import (
     DDPWorkerConfig,
     FuzzConfig,
     KillSoakConfig,
+    NatBenchConfig,
     PoisonConfig,
     RoundModesConfig,
     SoakConfig,
@@ -441,6 +442,15 @@ def bench_soak(cfg: SoakConfig) -> None:
     from hetero_node.bench.soak import render_markdown, run_soak
 
     _run_with_progress(run_soak, render_markdown, cfg)
+
+
+@app.command("bench-nat")
+@expand_dataclass_options
+def bench_nat(cfg: NatBenchConfig) -> None:
+    """The cost of a circuit relay: two replicas on shaped links, direct then one behind NAT (root; report.md)."""
+    from hetero_node.bench.nat_relay import render_markdown, run_nat_bench
+
+    _run_with_progress(run_nat_bench, render_markdown, cfg)
 
 
 @app.command("bench-fuzz-swarm")

@@ -109,7 +109,10 @@ def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: st
 
 
 class RelayDialer:
-    """Connects to relayed peers through their circuit addresses as their records appear (see module docstring)."""
+    """Keeps connections to the peers that need them, as their records appear (see module docstring): every node
+    connects to relayed peers through their circuits; a relayed node also connects out to every direct peer, so
+    the two share a direct connection (it dials out through its NAT) that libp2p prefers to the relayed one for
+    new streams in either direction: only traffic between two relayed peers then crosses a relay."""
 
     def __init__(self, runtime: PeerRuntime) -> None:
         self.runtime = runtime
@@ -118,18 +121,30 @@ class RelayDialer:
     def note(self, records: dict[str, PeerRecord]) -> None:
         now = time.monotonic()
         for pid, record in records.items():
+            if pid == str(self.runtime.peer_id) or now - self._dialed.get(pid, -REDIAL_S) < REDIAL_S:
+                continue
             circuits = [a for a in record.addrs if a.endswith(CIRCUIT_SUFFIX)]
-            if not circuits or pid == str(self.runtime.peer_id) or now - self._dialed.get(pid, -REDIAL_S) < REDIAL_S:
+            if circuits:
+                addrs = [circuit_multiaddr(a) for a in circuits[:4]]
+            elif self.runtime.relays:
+                addrs = [_without_peer_id(a) for a in record.addrs[:4]]
+            else:
                 continue
             self._dialed[pid] = now
-            asyncio.run_coroutine_threadsafe(self._connect(pid, circuits), self.runtime.loop)
+            asyncio.run_coroutine_threadsafe(self._connect(pid, addrs), self.runtime.loop)
 
-    async def _connect(self, pid: str, circuits: list[str]) -> None:
+    async def _connect(self, pid: str, addrs: list[Any]) -> None:
         from hivemind.p2p import PeerID
 
         try:
-            addrs: list[Any] = [circuit_multiaddr(a) for a in circuits[:4]]
             await self.runtime.p2p._client.connect(PeerID.from_base58(pid), addrs)
         except Exception as e:  # the relay has no reservation yet, or the peer left: try again at the next read
-            logger.debug("connecting to relayed peer %s failed: %r", pid, e)
+            logger.debug("connecting to peer %s failed: %r", pid, e)
             self._dialed.pop(pid, None)
+
+
+def _without_peer_id(addr: str) -> Any:
+    """A listen address without its /p2p/<id> part (connect takes the id separately; see `circuit_multiaddr`)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    return Multiaddr(addr.partition("/p2p/")[0])
