@@ -44,7 +44,7 @@ from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.runtime import KEPT_ROUNDS, PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.models.trainer import InnerTrainer
-from hetero_node.protocol.errors import CheckpointError, PayloadError
+from hetero_node.protocol.errors import CheckpointError, DaemonError, PayloadError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import RunConfig
 
@@ -269,7 +269,13 @@ class Replica(ABC):
             self.wait_for_peers()
             rounds = self.run_cfg.outer.rounds
             while not self.stop.is_set() and self.keep_serving():
-                self.runtime.ensure_daemon()
+                try:
+                    self.runtime.ensure_daemon()
+                except DaemonError:
+                    # a signal to our whole process group takes p2pd down just as it tells us to leave
+                    if self.stop.wait(1.0):
+                        break
+                    raise
                 if self.in_flight is None:
                     self.catch_up()
                 t = self.round + (self.in_flight is not None)  # under overlap, the round after the one in flight
