@@ -3,12 +3,12 @@ live local swarm scraped by a real Prometheus server and rendered in a real head
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import shutil
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -21,6 +21,7 @@ from factories import peer_id, peer_record
 from prometheus_client.parser import text_string_to_metric_families
 from swarm_helpers import join_args, rounds_of, run_args
 
+from hetero_node.bench.kill_soak import wait_until
 from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.monitor.http_server import MonitorServer, open_dashboard
 from hetero_node.client.monitor.node_metrics import NodeMetrics
@@ -166,7 +167,7 @@ def test_the_dashboard_page_and_its_json_are_served() -> None:
     snapshot = snapshot_of(peer_record("full1", role="full", gpus=[{"name": "<b>evil</b>", "memory_gb": 8.0}]))
     with open_dashboard("127.0.0.1", 0, lambda: snapshot) as server:
         page = get(server.url)
-        state = wait_until(lambda: _json(server.url + "api/swarm"), lambda s: s["snapshot"] is not None, 10)
+        state = read_until(lambda: _json(server.url + "api/swarm"), lambda s: s["snapshot"] is not None, 10)
         metrics = samples(get(server.url + "metrics"))
     assert 'id="peers"' in page and 'id="loss-plot"' in page and ".innerHTML" not in page
     assert state["snapshot"]["peers"][0]["gpus"][0]["name"] == "<b>evil</b>"  # served as data, rendered as text
@@ -178,26 +179,18 @@ def test_the_dashboard_page_and_its_json_are_served() -> None:
 def test_a_peers_text_is_shown_as_text_not_markup() -> None:
     evil = peer_record("full1", role="full", gpus=[{"name": "<b id=injected>x</b>", "memory_gb": 8.0}])
     with open_dashboard("127.0.0.1", 0, lambda: snapshot_of(evil)) as server:
-        wait_until(lambda: _json(server.url + "api/swarm"), lambda s: s["snapshot"] is not None, 10)
+        read_until(lambda: _json(server.url + "api/swarm"), lambda s: s["snapshot"] is not None, 10)
         dom = rendered_dom(server.url)
     assert "&lt;b id=injected&gt;x&lt;/b&gt;" in dom and 'id="injected"' not in dom
 
 
 def _json(url: str) -> dict[str, Any]:
-    import json
-
     return json.loads(get(url))
 
 
-def wait_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str = "it") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if done(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {str(value)[:2000]}")
-        time.sleep(0.5)
+def read_until(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float, what: str = "it") -> Any:
+    """What `read()` returns once `done` holds for it, polled by the benches' `wait_until`."""
+    return wait_until(lambda: value if done(value := read()) else None, timeout, what)
 
 
 # ------------------------------------------------------------------------------------- a live swarm
@@ -217,7 +210,7 @@ class LiveSwarm:
         self.urls = {name: self.url_of(name) for name in ("bootstrap", *PEERS)}
 
     def url_of(self, name: str) -> str:
-        found = wait_until(
+        found = read_until(
             lambda: URL_LINE.search(self.swarm.log_path(name).read_text()), bool, 120, f"{name}'s metrics URL"
         )
         return found.group(1)
@@ -233,7 +226,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSwarm]:
     with LocalSwarm(workdir) as swarm:
         live = LiveSwarm(swarm, workdir)
         for i in range(len(PEERS)):
-            wait_until(lambda i=i: rounds_of(workdir, i), lambda r: len(r) >= 3, 240, f"r{i}'s third round")
+            read_until(lambda i=i: rounds_of(workdir, i), lambda r: len(r) >= 3, 240, f"r{i}'s third round")
         yield live
 
 
@@ -241,7 +234,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveSwarm]:
 @pytest.mark.timeout(400)
 def test_live_nodes_export_their_rounds_and_the_bootstrap_the_swarm(live: LiveSwarm) -> None:
     live.alive()
-    run_id = wait_until(lambda: _json(live.urls["bootstrap"] + "api/swarm")["snapshot"], bool, 30, "a snapshot")[
+    run_id = read_until(lambda: _json(live.urls["bootstrap"] + "api/swarm")["snapshot"], bool, 30, "a snapshot")[
         "run_id"
     ]
     for i, name in enumerate(PEERS):
@@ -254,7 +247,7 @@ def test_live_nodes_export_their_rounds_and_the_bootstrap_the_swarm(live: LiveSw
         assert values[("hetero_node_peers_seen", ())] >= 2
         info = [dict(labels) for name, labels in values if name == "hetero_node_node_info"]
         assert [(i["role"], i["run_id"]) for i in info] == [("full", run_id)]
-    state = wait_until(
+    state = read_until(
         lambda: _json(live.urls["bootstrap"] + "api/swarm"),
         lambda s: (
             s["snapshot"] and len(s["snapshot"]["peers"]) == 2 and any(len(r["contributed"]) == 2 for r in s["rounds"])
@@ -287,7 +280,7 @@ def test_a_real_prometheus_server_scrapes_the_swarm(live: LiveSwarm, tmp_path: P
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        address = wait_until(
+        address = read_until(
             lambda: re.search(r'Listening on.*address=(127\.0\.0\.1:\d+)', (tmp_path / "prometheus.log").read_text()),
             bool, 60, "prometheus to listen",
         )  # fmt: skip
@@ -298,9 +291,9 @@ def test_a_real_prometheus_server_scrapes_the_swarm(live: LiveSwarm, tmp_path: P
             assert answer["status"] == "success", answer
             return answer["data"]["result"]
 
-        up = wait_until(lambda: query("sum(up)"), lambda r: r and float(r[0]["value"][1]) == 3, 60, "3 targets up")
+        up = read_until(lambda: query("sum(up)"), lambda r: r and float(r[0]["value"][1]) == 3, 60, "3 targets up")
         assert float(up[0]["value"][1]) == 3
-        tokens = wait_until(
+        tokens = read_until(
             lambda: query("sum(hetero_node_tokens_total)"), lambda r: r and float(r[0]["value"][1]) > 0, 60, "tokens"
         )
         peers = query('hetero_node_swarm_peers{role="full"}')
@@ -317,7 +310,7 @@ def test_a_real_prometheus_server_scrapes_the_swarm(live: LiveSwarm, tmp_path: P
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (Debian: apt-get install chromium)")
 def test_the_dashboard_renders_peers_and_plots_in_a_headless_browser(live: LiveSwarm, tmp_path: Path) -> None:
     url = live.urls["bootstrap"]
-    wait_until(
+    read_until(
         lambda: _json(url + "api/swarm")["rounds"], lambda rows: sum(r["eval_loss"] is not None for r in rows) >= 2,
         90, "two evaluated rounds on the dashboard",
     )  # fmt: skip

@@ -123,6 +123,7 @@ def run_node(
     runtime = reachable_runtime(
         lambda relays: PeerRuntime(node.peers, node.host, node.port, node.identity, swarm_key=swarm_key, relays=relays),
         node.reachability,
+        node.peers,
     )
     stop = threading.Event()
     leave_on_signals(stop)

@@ -80,13 +80,14 @@ def relay_addresses(relays: list[str]) -> list[str]:
     return [relay + CIRCUIT_SUFFIX for relay in relays]
 
 
-def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: str) -> PeerRuntime:
-    """A runtime others can reach: direct when the dial-back check passes (or `mode` is "direct"), else started
-    again relayed through the peers it joined through (`mode`: --reachability). `start(relays)` makes a runtime."""
-    runtime = start(None)
-    if mode == "direct":
-        return runtime
-    if mode == "auto":
+def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: str, peers: list[str]) -> PeerRuntime:
+    """A runtime others can reach: direct when the dial-back check passes (or `mode` is "direct"), else relayed
+    through `peers`, the peers it joins through (`mode`: --reachability; "relay" skips the check). `start(relays)`
+    makes a runtime."""
+    if mode != "relay":
+        runtime = start(None)
+        if mode == "direct":
+            return runtime
         result = check_reachability(runtime)
         if result.reachable is not False:
             if result.reachable is None:
@@ -100,11 +101,10 @@ def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: st
             "peers see this node at %s but cannot connect to port(s) %s (behind NAT or a firewall): joining through a "
             "relay", ", ".join(result.observed) or "?", ", ".join(map(str, result.ports)),
         )  # fmt: skip
-    relays = runtime.initial_peers
-    runtime.shutdown()
+        runtime.shutdown()
     bound_relay_service(0, 1)  # nobody can reach us to be relayed
-    runtime = start(relays)
-    logger.info("relayed through %s", ", ".join(relays))
+    runtime = start(peers)
+    logger.info("relayed through %s", ", ".join(peers))
     return runtime
 
 
