@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat clean
+.PHONY: venv data demo test test-long docker-test lint bench bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -74,6 +74,10 @@ bench-soak: venv data
 # What a circuit relay costs: two replicas on 20 Mbit/s links, direct, then one behind a NAT router (root; ~4 min).
 bench-nat: venv data
 	$(BIN)/hetero-node bench-nat --out bench/results/nat
+
+# The algorithm lab: the paper's three findings on `tiny` (12 cells x 3 seeds in one process, no network; ~1 h).
+sim: venv data
+	$(BIN)/hetero-node sim --out bench/results/sim
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

@@ -304,3 +304,79 @@ class NatBenchConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "round_s", "link_mbit")
+
+
+SIM_METHODS = ("ddp", "diloco", "sparseloco", "hetero", "compress-all", "none")
+"""ddp: one gradient step on every replica's batch (dense all-reduce every step); diloco and sparseloco: every
+replica a full one; hetero: half the replicas full, half virtual with subspace boundaries; compress-all: every
+replica virtual with subspace boundaries; none: hetero's layout with dense boundaries (no activation compression)."""
+SUBSPACE_METHODS = ("hetero", "compress-all")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text!r}: comma-separated positive integers")
+    return values
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """`hetero-node sim`: the algorithm lab's grid (every list is swept) and its token budget; defaults are the
+    README's findings on `tiny` (about 1 h on 2 cores; `--seeds 1 --rounds 4` for a quick look)."""
+
+    methods: str = field(default=",".join(SIM_METHODS), metadata={"help": f"Methods: {', '.join(SIM_METHODS)}."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset (tiny for sweeps, small for the findings)."})
+    replicas: str = field(default="4", metadata={"help": "Replica counts to sweep (hetero/none: half full, half VR)."})
+    rank_divisors: str = field(
+        default="8,16,32,64", metadata={"help": "hetero/compress-all: subspace ranks as d_model/N."}
+    )
+    inner_steps: str = field(default="20", metadata={"help": "H values to sweep (ddp: steps per evaluation)."})
+    topk: str = field(default="64", metadata={"help": "SparseLoCo entries kept per 64×64 chunk, values to sweep."})
+    rounds: int = field(default=20, metadata={"help": "Outer rounds per run."})
+    stages: int = field(default=2, metadata={"help": "Parameter shards = pipeline stages of a virtual replica."})
+    microbatches: int = field(default=2, metadata={"help": "Microbatches per inner step in a virtual replica."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
+    seq_len: int = field(default=64, metadata={"help": "Tokens per sequence."})
+    lr: float = field(default=3e-3, metadata={"help": "Peak inner learning rate."})
+    warmup_steps: int = field(default=20, metadata={"help": "Inner LR warm-up steps."})
+    eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (after every round)."})
+    seeds: int = field(default=3, metadata={"help": "Runs per cell (seeds 0..N-1 of weights and data order)."})
+    out: Path = field(default=Path("bench/results/sim"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "rounds", "stages", "microbatches", "batch_size", "seq_len", "lr", "eval_batches",
+                         "seeds")  # fmt: skip
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
+        if not set(self.method_list) <= set(SIM_METHODS) or not self.method_list:
+            raise ConfigError(f"--methods {self.methods!r}: choose from {', '.join(SIM_METHODS)}")
+        if min(self.replica_counts) < 2:
+            raise ConfigError(f"--replicas {self.replicas!r}: at least 2 (one full and one virtual in hetero)")
+        for flag, values in (("--rank-divisors", self.rank_list), ("--inner-steps", self.h_list),
+                             ("--topk", self.topk_list)):  # fmt: skip
+            if not values:
+                raise ConfigError(f"{flag} must not be empty")
+
+    @property
+    def method_list(self) -> list[str]:
+        return [m.strip() for m in self.methods.split(",") if m.strip()]
+
+    @property
+    def replica_counts(self) -> list[int]:
+        return _int_list(self.replicas, "--replicas")
+
+    @property
+    def rank_list(self) -> list[int]:
+        return _int_list(self.rank_divisors, "--rank-divisors")
+
+    @property
+    def h_list(self) -> list[int]:
+        return _int_list(self.inner_steps, "--inner-steps")
+
+    @property
+    def topk_list(self) -> list[int]:
+        return _int_list(self.topk, "--topk")

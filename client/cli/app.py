@@ -34,6 +34,7 @@ from hetero_node.bench.config import (
     NatBenchConfig,
     PoisonConfig,
     RoundModesConfig,
+    SimConfig,
     SoakConfig,
     SwarmFuzzConfig,
 )
@@ -408,6 +409,18 @@ def bench_byzantine(cfg: ByzantineConfig) -> None:
     from hetero_node.bench.byzantine import render_markdown, run_byzantine
 
     _run_with_progress(run_byzantine, render_markdown, cfg)
+
+
+@app.command("sim")
+@expand_dataclass_options
+def sim(cfg: SimConfig) -> None:
+    """The algorithm lab: replicas in one process (the nodes' own training, codecs and outer step, no network)
+    over a grid of methods, ranks, H, top-k and replica counts; mean ± std over seeds, the paper's three findings,
+    loss-vs-tokens and loss-vs-bytes plots (report.json, report.md and PNGs under --out)."""
+    from hetero_node.bench.sim import run_sim
+    from hetero_node.bench.sim_report import render_markdown
+
+    _run_with_progress(run_sim, render_markdown, cfg)
 
 
 @app.command("bench-fuzz")

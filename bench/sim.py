@@ -1,0 +1,290 @@
+"""`hetero-node sim`: the algorithm lab. R replicas in one process, step-synchronous, no network.
+
+It measures algorithms, not timing: every replica trains its H inner steps from θ(t) on its own data shard
+(`sim_replicas`: the nodes' trainer, and for a virtual replica the stage peers' `PipelineStage`s with real boundary
+messages), encodes Δ with its own outer method per parameter shard (error feedback, top-k, 2-bit codec), and θ(t+1)
+is the judge's `combine` + `update` of the decoded messages, then the drift transfer, as on every member of a
+group. Bytes are the real payload lengths, multiplied out by the transport each method uses (module `traffic`
+below). A test shows that a 2-replica round here and on a loopback swarm give the same θ(t+1) fingerprint.
+
+The grid (`SimConfig`): methods × replica counts × H × top-k × subspace rank, each for `--seeds` seeds; the report
+(`sim_report`) gives mean ± std over seeds, the paper's three findings as tables, and loss-vs-tokens and
+loss-vs-bytes plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from hetero_node.bench.config import SUBSPACE_METHODS, SimConfig
+from hetero_node.bench.sim_replicas import DEVICE, SimFullReplica, SimReplica, SimVirtualReplica, global_model
+from hetero_node.client.outer.shard_state import FIXED, state_fingerprint
+from hetero_node.client.roles.replica import STEP_STRIDE
+from hetero_node.models.config import get_preset
+from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, val_batches
+from hetero_node.models.paths import default_cache_dir
+from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
+from hetero_node.models.subspace import drift_transfer_, subspace_basis
+from hetero_node.models.tokenizer import load_tokenizer
+from hetero_node.models.trainer import InnerTrainer
+from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.outer_methods import outer_method
+from hetero_node.protocol.run_config import OptimConfig, OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
+
+logger = logging.getLogger(__name__)
+
+FULL, VIRTUAL = "full", "virtual"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid: a method and the settings swept for it (None where the method has no such knob)."""
+
+    method: str
+    replicas: int
+    inner_steps: int
+    topk: int | None
+    rank_divisor: int | None
+
+    @property
+    def name(self) -> str:
+        parts = [self.method, f"R{self.replicas}", f"H{self.inner_steps}"]
+        parts += [] if self.topk is None else [f"k{self.topk}"]
+        return " ".join(parts + ([] if self.rank_divisor is None else [f"d/{self.rank_divisor}"]))
+
+    @property
+    def layout(self) -> list[str]:
+        """Which replicas are full and which virtual: hetero and none put the first half full."""
+        if self.method == "compress-all":
+            return [VIRTUAL] * self.replicas
+        if self.method in ("hetero", "none"):
+            full = self.replicas // 2
+            return [FULL] * full + [VIRTUAL] * (self.replicas - full)
+        return [FULL] * self.replicas
+
+
+def grid(cfg: SimConfig) -> list[Cell]:
+    """Every cell of the sweep, knobs a method does not have left out (so no cell runs twice)."""
+    cells = []
+    for method in cfg.method_list:
+        sparse = method not in ("ddp", "diloco")
+        for replicas in cfg.replica_counts:
+            for h in cfg.h_list:
+                for k in cfg.topk_list if sparse else [None]:
+                    for rank in cfg.rank_list if method in SUBSPACE_METHODS else [None]:
+                        cells.append(Cell(method, replicas, h, k, rank))
+    return list(dict.fromkeys(cells))
+
+
+def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, store: TokenStore) -> RunConfig:
+    """The run every replica of a cell agrees on, as `hetero-node bootstrap` would announce it."""
+    d_model = get_preset(cfg.preset, vocab_size=vocab_size).d_model
+    compression = {"compress-all": "compress-all", "none": "none"}.get(cell.method, "subspace")
+    return RunConfig(
+        preset=cfg.preset, vocab_size=vocab_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
+        data_shards=max(16, cell.replicas), data_identity=store.identity, tokenizer_identity="lab",
+        outer=OuterConfig(outer="diloco" if cell.method == "diloco" else "sparseloco", inner_steps=cell.inner_steps,
+                          rounds=cfg.rounds, stages=cfg.stages),
+        optim=OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps),
+        sparseloco=SparseLoCoConfig(topk=cell.topk or SparseLoCoConfig.topk),
+        pipeline=PipelineConfig(activation_compression=compression, microbatches=cfg.microbatches,
+                                subspace_rank=d_model // cell.rank_divisor if cell.rank_divisor else 0),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ traffic
+
+
+def exchange_bytes(run: RunConfig, message_bytes: int, replicas: int) -> float:
+    """What one replica moves per round for its messages of `message_bytes` in all: SparseLoCo's members each
+    download every other member's message; DiLoCo's dense all-reduce (butterfly) sends 2(R−1)/R of the buffer."""
+    if run.outer.outer == "diloco":
+        return 2 * (replicas - 1) / replicas * message_bytes
+    return (replicas - 1) * message_bytes
+
+
+def table_bytes(run: RunConfig) -> int:
+    """T_fixed (fp32) every stage after the first of a virtual replica downloads after each outer step."""
+    if not (run.uses_subspace and run.pipeline.drift_transfer):
+        return 0
+    cfg = get_preset(run.preset, vocab_size=run.vocab_size)
+    return (run.outer.stages - 1) * cfg.vocab_size * cfg.d_model * 4
+
+
+def ddp_bytes_per_step(model: Transformer, replicas: int) -> float:
+    """A ring all-reduce of the fp32 gradients: 2(R−1)/R of the buffer per replica per step."""
+    return 2 * (replicas - 1) / replicas * 4 * sum(p.numel() for p in model.parameters())
+
+
+# -------------------------------------------------------------------------------------------- the rounds
+
+
+@dataclass
+class RoundPoint:
+    """The swarm after round t's outer step (cumulative tokens and bytes)."""
+
+    round: int
+    tokens: int
+    """Tokens trained by all replicas so far."""
+    bytes_per_replica: float
+    """Mean bytes one replica sent so far (messages, boundaries, table)."""
+    eval_loss: float
+    fingerprints: dict[str, str]
+    traffic: dict[str, float]
+    """This round's bytes per replica by kind: outer, boundary, table."""
+
+
+class OuterSwarm:
+    """θ(t) and T_fixed as every member holds them, and the judge's outer methods that advance them."""
+
+    def __init__(self, run: RunConfig) -> None:
+        self.run = run
+        self.model = global_model(run)
+        cfg = self.model.cfg
+        self.shard_names = shard_parameter_names(cfg, run.outer.stages)
+        params = dict(self.model.named_parameters())
+        self.judges = [outer_method(run, [tuple(params[n].shape) for n in names]) for names in self.shard_names]
+        self.basis = subspace_basis(cfg.d_model, run.pipeline.rank(cfg.d_model), run.seed) if run.uses_subspace \
+            else None  # fmt: skip
+        self.evaluator = InnerTrainer(self.model, run.optim, run.total_inner_steps, DEVICE)
+
+    def theta(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    @property
+    def fixed(self) -> torch.Tensor | None:
+        return self.model.embed_fixed
+
+    @torch.no_grad()
+    def step(self, replicas: list[SimReplica], names: list[str]) -> list[int]:
+        """θ(t+1) from every replica's encoded messages; returns each replica's message bytes."""
+        weight = float(self.run.outer.inner_steps * self.run.batch_size * self.run.seq_len)
+        deltas = [r.shard_deltas() for r in replicas]
+        sizes = [0] * len(replicas)
+        for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
+            messages = []
+            for i, replica in enumerate(replicas):
+                payload = replica.methods[s].encode(deltas[i][s]).payload
+                sizes[i] += len(payload)
+                messages.append(judge.decode(payload))
+            combined = judge.combine(messages, [weight] * len(replicas), names)
+            start = shard_tensors(self.model, shard)
+            for p, value in zip(start, judge.update([p.detach().clone() for p in start], combined), strict=True):
+                p.copy_(value)
+        if self.basis is not None and self.run.pipeline.drift_transfer:
+            drift_transfer_(self.model, self.basis)
+        return sizes
+
+    def fingerprints(self) -> dict[str, str]:
+        """What a node's round record holds: each shard's θ(t+1) with T_fixed, and T_fixed."""
+        fixed = self.fixed
+        fps = {str(s): state_fingerprint(shard_tensors(self.model, names), fixed)
+               for s, names in enumerate(self.shard_names)}  # fmt: skip
+        return fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
+
+
+def simulate(
+    run: RunConfig, layout: list[str], store: TokenStore, held_out: list, on_round: Callable[[RoundPoint], None],
+    names: list[str] | None = None,
+) -> list[RoundPoint]:  # fmt: skip
+    """`run.outer.rounds` rounds of full ("full") and virtual ("virtual") replicas; replica i trains data shard i.
+
+    `names` order the members as peer ids do in a swarm (the aggregate is summed in sorted-name order).
+    """
+    swarm = OuterSwarm(run)
+    replicas = [(SimFullReplica if kind == FULL else SimVirtualReplica)(run, store, i) for i, kind in enumerate(layout)]
+    names = names or [f"replica-{i:04d}" for i in range(len(replicas))]
+    H, R = run.outer.inner_steps, len(replicas)
+    tokens_per_round = H * run.batch_size * run.seq_len
+    points: list[RoundPoint] = []
+    sent = 0.0
+    for t in range(run.outer.rounds):
+        for replica in replicas:
+            replica.load(swarm.theta(), swarm.fixed)
+            replica.train(t, H)
+        sizes = swarm.step(replicas, names)
+        outer = sum(exchange_bytes(run, size, R) for size in sizes) / R
+        boundary = sum(r.boundary_bytes for r in replicas) / R
+        table = table_bytes(run) * layout.count(VIRTUAL) / R
+        sent += outer + boundary + table
+        point = RoundPoint(t, (t + 1) * R * tokens_per_round, sent, swarm.evaluator.evaluate(held_out),
+                           swarm.fingerprints(), {"outer": outer, "boundary": boundary, "table": table})  # fmt: skip
+        points.append(point)
+        on_round(point)
+    return points
+
+
+def simulate_ddp(
+    run: RunConfig, replicas: int, store: TokenStore, held_out: list, on_round: Callable[[RoundPoint], None]
+) -> list[RoundPoint]:
+    """Gradient averaging every step: one step on all replicas' batches at once (their mean gradient, as a
+    DDP all-reduce gives), evaluated every H steps so its curve lines up with the outer methods' rounds."""
+    model = Transformer(get_preset(run.preset, vocab_size=run.vocab_size), seed=run.seed)
+    trainer = InnerTrainer(model, run.optim, run.total_inner_steps, DEVICE)
+    shards = [ShardBatches(store, i % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed)
+              for i in range(replicas)]  # fmt: skip
+    H, per_step = run.outer.inner_steps, ddp_bytes_per_step(model, replicas)
+    points: list[RoundPoint] = []
+    for t in range(run.outer.rounds):
+        for i in range(H):
+            batches = [s.batch(t * STEP_STRIDE + i) for s in shards]
+            trainer.step = t * H + i
+            trainer.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        point = RoundPoint(t, (t + 1) * replicas * H * run.batch_size * run.seq_len, (t + 1) * H * per_step,
+                           trainer.evaluate(held_out), {"model": fingerprint(list(model.parameters()))},
+                           {"outer": H * per_step, "boundary": 0.0, "table": 0.0})  # fmt: skip
+        points.append(point)
+        on_round(point)
+    return points
+
+
+def run_cell(cfg: SimConfig, cell: Cell, seed: int, store: TokenStore, vocab_size: int, held_out: list,
+             on_round: Callable[[RoundPoint], None]) -> dict[str, Any]:  # fmt: skip
+    """One seed of one cell: its settings and its round curve."""
+    run = cell_run_config(cfg, cell, seed, vocab_size, store)
+    if cell.method == "ddp":
+        points = simulate_ddp(run, cell.replicas, store, held_out, on_round)
+    else:
+        points = simulate(run, cell.layout, store, held_out, on_round)
+    start_loss = Transformer(get_preset(run.preset, vocab_size=vocab_size), seed=seed)
+    initial = InnerTrainer(start_loss, run.optim, 1, DEVICE).evaluate(held_out)
+    return {**dataclasses.asdict(cell), "cell": cell.name, "seed": seed, "initial_eval_loss": initial,
+            "rounds": [dataclasses.asdict(p) for p in points]}  # fmt: skip
+
+
+def run_sim(cfg: SimConfig, progress: Progress) -> dict[str, Any]:
+    """Every cell for every seed, a progress bar per run; writes report.json, report.md and the plots."""
+    from hetero_node.bench.sim_report import render_markdown, write_plots
+
+    tokenizer = load_tokenizer(None)
+    store = build_token_store(None, tokenizer, default_cache_dir())
+    held_out = val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    cells = grid(cfg)
+    overall = progress.add_task("sim runs", total=len(cells) * cfg.seeds)
+    report: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()}, "runs": []}
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    for cell in cells:  # cell by cell, so an interrupted sweep leaves whole cells in the report
+        for seed in range(cfg.seeds):
+            task = progress.add_task(f"{cell.name} seed {seed}", total=cfg.rounds)
+
+            def advance(point: RoundPoint, task: Any = task, name: str = f"{cell.name} seed {seed}") -> None:
+                progress.update(task, advance=1, description=f"{name}: eval {point.eval_loss:.3f}")
+
+            report["runs"].append(run_cell(cfg, cell, seed, store, tokenizer.vocab_size, held_out, advance))
+            progress.update(task, visible=False)
+            progress.advance(overall)
+            (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
+            logger.info(
+                "%s seed %d: final eval loss %.4f", cell.name, seed, report["runs"][-1]["rounds"][-1]["eval_loss"]
+            )
+    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_plots(report, cfg.out)
+    return report

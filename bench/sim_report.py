@@ -1,0 +1,194 @@
+"""The algorithm lab's report: mean ± std over seeds per cell, the paper's three findings as tables, and plots.
+
+Pure functions of `report.json`'s content, so the arithmetic is tested on synthetic runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WITHIN = 0.03
+"""Finding 1's tolerance: SparseLoCo "reaches" DiLoCo's eval loss when within 3% of it."""
+
+
+@dataclass(frozen=True)
+class CellSummary:
+    """A cell over its seeds."""
+
+    cell: str
+    method: str
+    replicas: int
+    inner_steps: int
+    topk: int | None
+    rank_divisor: int | None
+    finals: list[float]
+    """Eval loss after the last round, per seed."""
+    curve: list[float]
+    """Eval loss after each round, mean over seeds."""
+    tokens: list[int]
+    """Tokens trained by the swarm after each round."""
+    bytes_sent: list[float]
+    """Bytes one replica sent so far after each round, mean over seeds."""
+    traffic: dict[str, float]
+    """Bytes per replica per round by kind (outer, boundary, table), mean over rounds and seeds."""
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.finals)
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.finals) if len(self.finals) > 1 else 0.0
+
+    @property
+    def bytes_per_round(self) -> float:
+        return sum(self.traffic.values())
+
+
+def _columns(rows: list[list[float]]) -> list[float]:
+    return [statistics.fmean(col) for col in zip(*rows, strict=True)]
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
+    """Group runs by cell (first-seen order) and average over seeds."""
+    by_cell: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for run in runs:
+        by_cell[run["cell"]].append(run)
+    out = {}
+    for name, group in by_cell.items():
+        first = group[0]
+        rounds = [r["rounds"] for r in group]
+        kinds = first["rounds"][0]["traffic"].keys()
+        out[name] = CellSummary(
+            cell=name, method=first["method"], replicas=first["replicas"], inner_steps=first["inner_steps"],
+            topk=first["topk"], rank_divisor=first["rank_divisor"], finals=[r[-1]["eval_loss"] for r in rounds],
+            curve=_columns([[p["eval_loss"] for p in r] for r in rounds]), tokens=[p["tokens"] for p in rounds[0]],
+            bytes_sent=_columns([[p["bytes_per_replica"] for p in r] for r in rounds]),
+            traffic={k: statistics.fmean(p["traffic"][k] for r in rounds for p in r) for k in kinds},
+        )  # fmt: skip
+    return out
+
+
+def gap(value: float, reference: float) -> float:
+    """Relative excess of `value` over `reference` (0.05: 5% higher loss)."""
+    return value / reference - 1
+
+
+def rounds_to_reach(curve: list[float], reference: list[float], within: float = WITHIN) -> int | None:
+    """First round (1-based) from which `curve` stays within `within` of `reference` to the end; None if never."""
+    for t in range(len(curve)):
+        if all(gap(c, r) <= within for c, r in zip(curve[t:], reference[t:], strict=True)):
+            return t + 1
+    return None
+
+
+def _loss(s: CellSummary) -> str:
+    return f"{s.mean:.3f} ± {s.std:.3f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _setting(s: CellSummary) -> tuple[int, int, int | None]:
+    return s.replicas, s.inner_steps, s.topk
+
+
+def finding_outer(cells: dict[str, CellSummary]) -> list[str]:
+    """1. SparseLoCo against DiLoCo (and DDP) at equal tokens: loss gap, when it closes, bytes per round."""
+    rows = []
+    for dl in (c for c in cells.values() if c.method == "diloco"):
+        for c in cells.values():
+            if c.method in ("sparseloco", "ddp") and (c.replicas, c.inner_steps) == (dl.replicas, dl.inner_steps):
+                reach = rounds_to_reach(c.curve, dl.curve)
+                rows.append([c.cell, _loss(c), _loss(dl), f"{gap(c.mean, dl.mean):+.1%}",
+                             "never" if reach is None else str(reach), _bytes(c.bytes_per_round),
+                             _bytes(dl.bytes_per_round), f"{dl.bytes_per_round / c.bytes_per_round:.1f}×"])  # fmt: skip
+    header = ["cell", "eval loss", "DiLoCo's", "gap", f"within {WITHIN:.0%} from round", "bytes/replica/round",
+              "DiLoCo's", "DiLoCo ÷ this"]  # fmt: skip
+    return _table(header, rows) if rows else []
+
+
+def finding_composes(cells: dict[str, CellSummary]) -> list[str]:
+    """2. Compressed virtual replicas (hetero) against uncompressed ones (none): what compression costs."""
+    rows = []
+    for dense in (c for c in cells.values() if c.method == "none"):
+        for c in cells.values():
+            if c.method == "hetero" and _setting(c) == _setting(dense):
+                rows.append([c.cell, _loss(c), _loss(dense), f"{gap(c.mean, dense.mean):+.1%}",
+                             _bytes(c.traffic["boundary"]), _bytes(dense.traffic["boundary"]),
+                             _bytes(c.traffic["table"])])  # fmt: skip
+    header = ["cell", "eval loss", "uncompressed VRs'", "cost", "boundary bytes/replica/round", "uncompressed",
+              "T_fixed bytes/replica/round"]  # fmt: skip
+    return _table(header, rows) if rows else []
+
+
+def finding_selective(cells: dict[str, CellSummary]) -> list[str]:
+    """3. Selective compression (hetero) against compress-all, rank by rank: does the gap grow with compression?"""
+    rows = []
+    for c in cells.values():
+        if c.method != "hetero":
+            continue
+        for a in cells.values():
+            if a.method == "compress-all" and (_setting(a), a.rank_divisor) == (_setting(c), c.rank_divisor):
+                rows.append([f"d/{c.rank_divisor}", c.cell, _loss(c), _loss(a), f"{gap(a.mean, c.mean):+.1%}",
+                             _bytes(c.bytes_per_round), _bytes(a.bytes_per_round)])  # fmt: skip
+    header = ["rank", "cell", "hetero eval loss", "compress-all's", "compress-all's excess",
+              "hetero bytes/replica/round", "compress-all's"]  # fmt: skip
+    return _table(header, rows) if rows else []
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    cells = summarize(report["runs"])
+    config = report["config"]
+    lines = [f"# Algorithm lab: `{config['preset']}`, {config['rounds']} rounds, {config['seeds']} seed(s)", ""]
+    for title, table in (
+        ("1. SparseLoCo reaches DiLoCo's loss with far fewer bytes", finding_outer(cells)),
+        ("2. Activation compression composes with SparseLoCo", finding_composes(cells)),
+        ("3. Selective compression beats compressing everyone", finding_selective(cells)),
+    ):
+        if table:
+            lines += [f"## {title}", "", *table, ""]
+    rows = [[c.cell, str(len(c.finals)), _loss(c), *(_bytes(c.traffic[k]) for k in ("outer", "boundary", "table"))]
+            for c in cells.values()]  # fmt: skip
+    lines += ["## Every cell", "", *_table(["cell", "seeds", "final eval loss", "outer", "boundary", "T_fixed"], rows)]
+    lines += ["", "Eval loss: mean ± std over seeds of θ after the last round, on the held-out batches. Bytes: per "
+              "replica per round, from the encoded payloads (SparseLoCo: R−1 messages downloaded; DiLoCo: 2(R−1)/R "
+              "of the dense buffer; ddp: the same per step; boundaries: every activation and gradient message; "
+              "T_fixed: the fp32 table every later stage of a VR fetches)."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
+    """Eval loss against tokens and against bytes sent per replica, one line per cell (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a benchmark machine
+    import matplotlib.pyplot as plt
+
+    cells = summarize(report["runs"])
+    paths = []
+    for x_name, x_label, log in (("tokens", "tokens trained by the swarm", False),
+                                 ("bytes_sent", "bytes sent per replica", True)):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for c in cells.values():
+            ax.plot(getattr(c, x_name), c.curve, label=c.cell, marker=".")
+        ax.set(xlabel=x_label, ylabel="eval loss", xscale="log" if log else "linear")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        path = out / f"loss_vs_{x_name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        paths.append(path)
+    return paths
