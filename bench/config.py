@@ -346,6 +346,9 @@ class SimConfig:
     eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (after every round)."})
     seeds: int = field(default=3, metadata={"help": "Runs per cell (seeds 0..N-1 of weights and data order)."})
     out: Path = field(default=Path("bench/results/sim"), metadata={"help": "Results directory."})
+    report_only: bool = field(
+        default=False, metadata={"help": "Rebuild report.md and the plots from --out's report.json; run nothing."}
+    )
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "stages", "microbatches", "batch_size", "seq_len", "lr", "eval_batches",

@@ -103,12 +103,15 @@ def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, stor
 # ------------------------------------------------------------------------------------------------ traffic
 
 
-def exchange_bytes(run: RunConfig, message_bytes: int, replicas: int) -> float:
-    """What one replica moves per round for its messages of `message_bytes` in all: SparseLoCo's members each
-    download every other member's message; DiLoCo's dense all-reduce (butterfly) sends 2(R−1)/R of the buffer."""
-    if run.outer.outer == "diloco":
-        return 2 * (replicas - 1) / replicas * message_bytes
-    return (replicas - 1) * message_bytes
+def messages_moved(method: str, replicas: int, inner_steps: int) -> float:
+    """How many of its own messages' worth one replica moves per round: SparseLoCo's members each download every
+    other member's message (R − 1); a dense all-reduce (DiLoCo's butterfly, ddp's ring) sends 2(R−1)/R of the
+    buffer, ddp once per inner step."""
+    if method == "ddp":
+        return inner_steps * 2 * (replicas - 1) / replicas
+    if method == "diloco":
+        return 2 * (replicas - 1) / replicas
+    return replicas - 1
 
 
 def table_bytes(run: RunConfig) -> int:
@@ -117,11 +120,6 @@ def table_bytes(run: RunConfig) -> int:
         return 0
     cfg = get_preset(run.preset, vocab_size=run.vocab_size)
     return (run.outer.stages - 1) * cfg.vocab_size * cfg.d_model * 4
-
-
-def ddp_bytes_per_step(model: Transformer, replicas: int) -> float:
-    """A ring all-reduce of the fp32 gradients: 2(R−1)/R of the buffer per replica per step."""
-    return 2 * (replicas - 1) / replicas * 4 * sum(p.numel() for p in model.parameters())
 
 
 # -------------------------------------------------------------------------------------------- the rounds
@@ -211,7 +209,7 @@ def simulate(
             replica.load(swarm.theta(), swarm.fixed)
             replica.train(t, H)
         sizes = swarm.step(replicas, names)
-        outer = sum(exchange_bytes(run, size, R) for size in sizes) / R
+        outer = messages_moved(run.outer.outer, R, H) * sum(sizes) / R
         boundary = sum(r.boundary_bytes for r in replicas) / R
         table = table_bytes(run) * layout.count(VIRTUAL) / R
         sent += outer + boundary + table
@@ -231,16 +229,17 @@ def simulate_ddp(
     trainer = InnerTrainer(model, run.optim, run.total_inner_steps, DEVICE)
     shards = [ShardBatches(store, i % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed)
               for i in range(replicas)]  # fmt: skip
-    H, per_step = run.outer.inner_steps, ddp_bytes_per_step(model, replicas)
+    H = run.outer.inner_steps
+    per_round = messages_moved("ddp", replicas, H) * 4 * sum(p.numel() for p in model.parameters())  # fp32 grads
     points: list[RoundPoint] = []
     for t in range(run.outer.rounds):
         for i in range(H):
             batches = [s.batch(t * STEP_STRIDE + i) for s in shards]
             trainer.step = t * H + i
             trainer.train_step(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-        point = RoundPoint(t, (t + 1) * replicas * H * run.batch_size * run.seq_len, (t + 1) * H * per_step,
+        point = RoundPoint(t, (t + 1) * replicas * H * run.batch_size * run.seq_len, (t + 1) * per_round,
                            trainer.evaluate(held_out), {"model": fingerprint(list(model.parameters()))},
-                           {"outer": H * per_step, "boundary": 0.0, "table": 0.0})  # fmt: skip
+                           {"outer": per_round, "boundary": 0.0, "table": 0.0})  # fmt: skip
         points.append(point)
         on_round(point)
     return points
@@ -262,8 +261,10 @@ def run_cell(cfg: SimConfig, cell: Cell, seed: int, store: TokenStore, vocab_siz
 
 def run_sim(cfg: SimConfig, progress: Progress) -> dict[str, Any]:
     """Every cell for every seed, a progress bar per run; writes report.json, report.md and the plots."""
-    from hetero_node.bench.sim_report import render_markdown, write_plots
+    from hetero_node.bench.sim_report import write_report
 
+    if cfg.report_only:
+        return write_report(json.loads((cfg.out / "report.json").read_text()), cfg.out)
     tokenizer = load_tokenizer(None)
     store = build_token_store(None, tokenizer, default_cache_dir())
     held_out = val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
@@ -271,20 +272,17 @@ def run_sim(cfg: SimConfig, progress: Progress) -> dict[str, Any]:
     overall = progress.add_task("sim runs", total=len(cells) * cfg.seeds)
     report: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()}, "runs": []}
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for cell in cells:  # cell by cell, so an interrupted sweep leaves whole cells in the report
+    for cell in cells:  # cell by cell, so an interrupted sweep leaves whole cells in report.json
         for seed in range(cfg.seeds):
-            task = progress.add_task(f"{cell.name} seed {seed}", total=cfg.rounds)
+            name = f"{cell.name} seed {seed}"
+            task = progress.add_task(name, total=cfg.rounds)
 
-            def advance(point: RoundPoint, task: Any = task, name: str = f"{cell.name} seed {seed}") -> None:
+            def advance(point: RoundPoint, task: Any = task, name: str = name) -> None:
                 progress.update(task, advance=1, description=f"{name}: eval {point.eval_loss:.3f}")
 
             report["runs"].append(run_cell(cfg, cell, seed, store, tokenizer.vocab_size, held_out, advance))
             progress.update(task, visible=False)
             progress.advance(overall)
             (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
-            logger.info(
-                "%s seed %d: final eval loss %.4f", cell.name, seed, report["runs"][-1]["rounds"][-1]["eval_loss"]
-            )
-    (cfg.out / "report.md").write_text(render_markdown(report))
-    write_plots(report, cfg.out)
-    return report
+            logger.info("%s: final eval loss %.4f", name, report["runs"][-1]["rounds"][-1]["eval_loss"])
+    return write_report(report, cfg.out)

@@ -5,11 +5,14 @@ Pure functions of `report.json`'s content, so the arithmetic is tested on synthe
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hetero_node.bench.sim import messages_moved
 
 WITHIN = 0.03
 """Finding 1's tolerance: SparseLoCo "reaches" DiLoCo's eval loss when within 3% of it."""
@@ -47,6 +50,11 @@ class CellSummary:
     @property
     def bytes_per_round(self) -> float:
         return sum(self.traffic.values())
+
+    @property
+    def message_bytes(self) -> float:
+        """One replica's outer message (ddp: one step's gradient buffer), from what its exchange moved."""
+        return self.traffic["outer"] / messages_moved(self.method, self.replicas, self.inner_steps)
 
 
 def _columns(rows: list[list[float]]) -> list[float]:
@@ -106,17 +114,18 @@ def _setting(s: CellSummary) -> tuple[int, int, int | None]:
 
 
 def finding_outer(cells: dict[str, CellSummary]) -> list[str]:
-    """1. SparseLoCo against DiLoCo (and DDP) at equal tokens: loss gap, when it closes, bytes per round."""
+    """1. SparseLoCo against DiLoCo (and DDP) at equal tokens: loss gap, when it closes, message and exchange bytes."""
     rows = []
     for dl in (c for c in cells.values() if c.method == "diloco"):
         for c in cells.values():
             if c.method in ("sparseloco", "ddp") and (c.replicas, c.inner_steps) == (dl.replicas, dl.inner_steps):
                 reach = rounds_to_reach(c.curve, dl.curve)
                 rows.append([c.cell, _loss(c), _loss(dl), f"{gap(c.mean, dl.mean):+.1%}",
-                             "never" if reach is None else str(reach), _bytes(c.bytes_per_round),
-                             _bytes(dl.bytes_per_round), f"{dl.bytes_per_round / c.bytes_per_round:.1f}×"])  # fmt: skip
-    header = ["cell", "eval loss", "DiLoCo's", "gap", f"within {WITHIN:.0%} from round", "bytes/replica/round",
-              "DiLoCo's", "DiLoCo ÷ this"]  # fmt: skip
+                             "never" if reach is None else str(reach), _bytes(c.message_bytes),
+                             f"{dl.message_bytes / c.message_bytes:.1f}×", _bytes(c.bytes_per_round),
+                             f"{dl.bytes_per_round / c.bytes_per_round:.1f}×"])  # fmt: skip
+    header = ["cell", "eval loss", "DiLoCo's", "gap", f"within {WITHIN:.0%} from round", "message",
+              "DiLoCo's ÷ this", "bytes/replica/round", "DiLoCo's ÷ this"]  # fmt: skip
     return _table(header, rows) if rows else []
 
 
@@ -165,9 +174,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["## Every cell", "", *_table(["cell", "seeds", "final eval loss", "outer", "boundary", "T_fixed"], rows)]
     lines += ["", "Eval loss: mean ± std over seeds of θ after the last round, on the held-out batches. Bytes: per "
               "replica per round, from the encoded payloads (SparseLoCo: R−1 messages downloaded; DiLoCo: 2(R−1)/R "
-              "of the dense buffer; ddp: the same per step; boundaries: every activation and gradient message; "
+              "of the dense buffer; ddp: the same per step; message: one replica's own, ddp's one step's gradients; "
+              "boundaries: every activation and gradient message; "
               "T_fixed: the fp32 table every later stage of a VR fetches)."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: Path) -> dict[str, Any]:
+    """report.json (as given), report.md and the plots under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(render_markdown(report))
+    write_plots(report, out)
+    return report
 
 
 def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
