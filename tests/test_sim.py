@@ -122,7 +122,7 @@ def test_the_report_averages_seeds_and_finds_when_a_curve_reaches_another() -> N
     assert rounds_to_reach([6.0, 4.4, 3.1], dense.curve) == 3
     assert rounds_to_reach([2.0, 9.0], [2.0, 2.0]) is None
     row = finding_outer(cells)[2]
-    assert "+0.0%" in row and "| 2 |" in row
+    assert "| +0.1% ± 4.6% |" in row and "| 2 |" in row  # paired by seed: +3.3% and −3.1%
     assert "| 200.0× |" in row and row.endswith("| 100.0× |")  # messages: 1.5 vs R − 1 = 3 of them moved
 
 
