@@ -214,6 +214,7 @@ def write_plots(report: dict[str, Any], out: Path) -> list[Path]:
     for x_name, x_label, log in (("tokens", "tokens trained by the swarm", False),
                                  ("bytes_sent", "bytes sent per replica", True)):  # fmt: skip
         fig, ax = plt.subplots(figsize=(8, 5))
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # a grid has more cells than the default 10 colours
         for c in cells.values():
             ax.plot(getattr(c, x_name), c.curve, label=c.cell, marker=".")
         ax.set(xlabel=x_label, ylabel="eval loss", xscale="log" if log else "linear")
