@@ -4,8 +4,7 @@ It measures algorithms, not timing: every replica trains its H inner steps from 
 (`sim_replicas`: the nodes' trainer, and for a virtual replica the stage peers' `PipelineStage`s with real boundary
 messages), encodes Δ with its own outer method per parameter shard (error feedback, top-k, 2-bit codec), and θ(t+1)
 is the judge's `combine` + `update` of the decoded messages, then the drift transfer, as on every member of a
-group. Bytes are the real payload lengths, multiplied out by the transport each method uses (module `traffic`
-below). A test shows that a 2-replica round here and on a loopback swarm give the same θ(t+1) fingerprint.
+group. Bytes are the real payload lengths, times what each method's transport moves (`messages_moved`). A test shows that a 2-replica round here and on a loopback swarm give the same θ(t+1) fingerprint.
 
 The grid (`SimConfig`): methods × replica counts × H × top-k × subspace rank, each for `--seeds` seeds; the report
 (`sim_report`) gives mean ± std over seeds, the paper's three findings as tables, and loss-vs-tokens and
@@ -96,7 +95,7 @@ def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, stor
         optim=OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps),
         sparseloco=SparseLoCoConfig(topk=cell.topk or SparseLoCoConfig.topk),
         pipeline=PipelineConfig(activation_compression=compression, microbatches=cfg.microbatches,
-                                subspace_rank=d_model // cell.rank_divisor if cell.rank_divisor else 0),
+                                subspace_rank=max(1, d_model // cell.rank_divisor) if cell.rank_divisor else 0),
     )  # fmt: skip
 
 
