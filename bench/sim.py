@@ -4,7 +4,8 @@ It measures algorithms, not timing: every replica trains its H inner steps from 
 (`sim_replicas`: the nodes' trainer, and for a virtual replica the stage peers' `PipelineStage`s with real boundary
 messages), encodes Δ with its own outer method per parameter shard (error feedback, top-k, 2-bit codec), and θ(t+1)
 is the judge's `combine` + `update` of the decoded messages, then the drift transfer, as on every member of a
-group. Bytes are the real payload lengths, times what each method's transport moves (`messages_moved`). A test shows that a 2-replica round here and on a loopback swarm give the same θ(t+1) fingerprint.
+group. Bytes are the real payload lengths, times what each method's transport moves (`messages_moved`). A test
+shows that a 2-replica round here and on a loopback swarm give the same θ(t+1) fingerprint.
 
 The grid (`SimConfig`): methods × replica counts × H × top-k × subspace rank, each for `--seeds` seeds; the report
 (`sim_report`) gives mean ± std over seeds, the paper's three findings as tables, and loss-vs-tokens and
