@@ -37,9 +37,11 @@ def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
             assert not r["dropped"]
             if r["contributed"]:  # a replica that missed the round (slow start) rebuilt it from the messages
                 assert 0 < r["bytes_received"] <= r["dense_allreduce_bytes"] / 20
+    # a round's dense all-reduce in the largest group (0 in a record of a round its replica rebuilt alone)
+    dense = max(record["dense_allreduce_bytes"] for r in replicas for record in r.values())
     for r in replicas:  # others fetch our messages at their pace, so a round's record may show one late
         sent = sum(record["bytes_sent"] for record in r.values())
-        assert 0 < sent <= 3 * r[0]["dense_allreduce_bytes"] / 20
+        assert 0 < sent <= 3 * dense / 20
     assert any(r[t]["contributors"] == 3 for r in replicas for t in r), "the three never averaged together"
     assert replicas[0][2]["eval_loss"] < replicas[0][0]["eval_loss"] < 5.6  # ln(256) ≈ 5.55 at init
 
