@@ -28,10 +28,10 @@ SWARM_METHODS: dict[str, tuple[str | None, list[str]]] = {
 }
 
 
-def run_options(cfg: BenchConfig) -> list[str]:
-    """The model, data and schedule every method shares (same preset, data, token budget, LR schedule)."""
+def run_options(cfg: BenchConfig, method: str) -> list[str]:
+    """The model, data and schedule every method shares (same preset, data, LR schedule), and its budget."""
     return [
-        "--preset", cfg.preset, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
+        "--preset", cfg.preset, "--rounds", str(cfg.rounds_for(method)), "--inner-steps", str(cfg.inner_steps),
         "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--stages", str(cfg.stages),
         "--lr", str(cfg.lr), "--warmup-steps", str(cfg.warmup_steps),
     ]  # fmt: skip
@@ -42,7 +42,7 @@ def bootstrap_argv(cfg: BenchConfig, method: str, address: str, identity: str) -
     if method in ("hetero", "compress-all"):
         extra += ["--subspace-rank", str(cfg.subspace_rank)]
     return [*CLI, "bootstrap", "--host", address, "--port", str(BOOTSTRAP_PORT), "--identity", identity,
-            *run_options(cfg), *extra]  # fmt: skip
+            *run_options(cfg, method), *extra]  # fmt: skip
 
 
 def node_role(method: str, spec: NodeSpec) -> str:
@@ -85,5 +85,5 @@ def join_argv(
 def ddp_argv(cfg: BenchConfig, rank: int, world_size: int, master_address: str, metrics: str) -> list[str]:
     return [
         *DDP, "--rank", str(rank), "--world-size", str(world_size), "--master", f"{master_address}:{DDP_PORT}",
-        "--metrics", metrics, "--eval-batches", str(cfg.eval_batches), *run_options(cfg),
+        "--metrics", metrics, "--eval-batches", str(cfg.eval_batches), *run_options(cfg, "ddp"),
     ]  # fmt: skip

@@ -24,13 +24,19 @@ class BenchConfig:
 
     topology: Path = field(
         default=Path("hetero"),
-        metadata={"help": "Topology TOML file, or a bundled one by name: hetero, mixed-speed, edge-only, uniform."},
+        metadata={
+            "help": "Topology TOML file, or a bundled one: hetero, hetero-tiny, mixed-speed, edge-only, uniform."
+        },
     )
     methods: str = field(
         default=",".join(METHODS), metadata={"help": f"Comma-separated methods to run: {', '.join(METHODS)}."}
     )
     preset: str = field(default="small", metadata={"help": "Model preset: tiny or small (bigger ones need GPUs)."})
     rounds: int = field(default=3, metadata={"help": "Outer rounds (ddp: evaluations) per method."})
+    swarm_rounds: int = field(
+        default=0,
+        metadata={"help": "Swarm methods: outer rounds, when they get a larger budget than ddp (0: --rounds)."},
+    )
     inner_steps: int = field(default=10, metadata={"help": "H: inner steps per round (ddp: steps per evaluation)."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per inner step, per node."})
     seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
@@ -70,6 +76,8 @@ class BenchConfig:
             self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr", "eval_batches",
             "threads_per_node", "timeout_s", "stall_timeout_s",
         )  # fmt: skip
+        if self.swarm_rounds < 0:
+            raise ConfigError(f"--swarm-rounds must not be negative, got {self.swarm_rounds}")
         if not self.round_s >= 0:
             raise ConfigError(f"--round-s must be ≥ 0, got {self.round_s}")
         unknown = [m for m in self.method_list if m not in METHODS]
@@ -81,6 +89,11 @@ class BenchConfig:
     @property
     def method_list(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.methods.split(",") if m.strip())
+
+    def rounds_for(self, method: str) -> int:
+        """Outer rounds (ddp: evaluations of H steps) `method` trains: each method's cosine schedule spans its own
+        budget, so a time-to-loss scenario can give the swarm methods more tokens than ddp."""
+        return self.rounds if method == "ddp" or not self.swarm_rounds else self.swarm_rounds
 
     @property
     def warmup_steps(self) -> int:

@@ -104,7 +104,7 @@ def run_method(
     """
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    task = progress.add_task(f"{topology.name} · {method}", total=cfg.rounds) if progress else None
+    task = progress.add_task(f"{topology.name} · {method}", total=cfg.rounds_for(method)) if progress else None
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads_per_node), "PYTHONUNBUFFERED": "1",
            "GLOO_SOCKET_IFNAME": NODE_IF}  # fmt: skip
     with NetLab() as lab, contextlib.ExitStack() as quotas:

@@ -24,8 +24,11 @@ logger = logging.getLogger(__name__)
 
 LOSS_VS_WALL = "loss_vs_wall.png"
 LOSS_VS_BYTES = "loss_vs_bytes.png"
+TIME_TO_LOSS_TOLERANCE = 0.03
+"""A method has reached ddp's loss when its eval loss is within 3% above what ddp ends its budget at."""
 SCENARIO_KEYS = (
-    "preset", "rounds", "inner_steps", "batch_size", "seq_len", "stages", "subspace_rank", "lr", "round_s", "overlap",
+    "preset", "rounds", "swarm_rounds", "inner_steps", "batch_size", "seq_len", "stages", "subspace_rank", "lr",
+    "round_s", "overlap",
 )  # fmt: skip
 
 
@@ -87,6 +90,8 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
             "edge": node["name"] in run["edge_nodes"],
         }
     curve = eval_curve(run)
+    for point in curve:
+        point["tokens"] = _tokens_by_round(run, stage_peers, point["round"])
     observed = [r["observed"]["at_s"] for n in run["nodes"] for r in n["rounds"]]
     wall_s = max(observed) if observed else run["elapsed_s"]
     tokens = sum(n["tokens"] for n in nodes.values())
@@ -121,6 +126,32 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         "nodes": nodes,
         "curve": curve,
     }
+
+
+def _tokens_by_round(run: dict[str, Any], stage_peers: Counter, last_round: int) -> float:
+    """The swarm's tokens trained in rounds up to `last_round` (a virtual replica's split among its stages)."""
+    total = 0.0
+    for node in run["nodes"]:
+        header = node["header"]
+        share = 1 / stage_peers[header.get("vr")] if header.get("role") == "stage" else 1.0
+        total += share * sum(r["tokens"] for r in node["rounds"] if r["round"] <= last_round)
+    return total
+
+
+def time_to_ddp_loss(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """When each method first reached the eval loss ddp ends its budget at (within `TIME_TO_LOSS_TOLERANCE`),
+    and how much sooner than ddp itself; None without a finished ddp run."""
+    ddp = methods.get("ddp")
+    if not ddp or ddp["status"] != "ok" or ddp["final_eval_loss"] is None:
+        return None
+    target = ddp["final_eval_loss"] * (1 + TIME_TO_LOSS_TOLERANCE)
+    reached = {m: next((p for p in s["curve"] if p["eval_loss"] <= target), None) for m, s in methods.items()}
+    ddp_s = reached["ddp"]["at_s"]  # ddp's last point is within its own tolerance
+    rows = {
+        m: {"reached": p is not None, **(p or {}), "times_sooner_than_ddp": ddp_s / p["at_s"] if p else None}
+        for m, p in reached.items()
+    }
+    return {"ddp_final_eval_loss": ddp["final_eval_loss"], "target_eval_loss": target, "methods": rows}
 
 
 def _contributed_to(record: dict[str, Any]) -> bool:
@@ -173,6 +204,11 @@ def targets(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     versus = _ratio(get("compress-all", "final_eval_loss"), get("hetero", "final_eval_loss"))
     add("hetero's eval loss below compress-all's (compress-all / hetero)", versus,
         None if versus is None else versus > 1, "{:.3f}")  # fmt: skip
+    sooner = (time_to_ddp_loss(ok) or {}).get("methods", {}).get("hetero")
+    if sooner is not None:
+        factor = sooner["times_sooner_than_ddp"]
+        add("hetero reaches ddp's final eval loss (within 3%) ≥ 10× sooner than ddp", factor,
+            factor is not None and factor >= 10, "{:.2f}×")  # fmt: skip
     hetero_nodes = ok.get("hetero", {}).get("nodes", {}).values()
     utilisation = [n["compute_utilisation"] for n in hetero_nodes if n["role"] == "full"]
     lowest = min((u for u in utilisation if u is not None), default=None)
@@ -193,7 +229,8 @@ def write_report(runs: list[dict[str, Any]], out: Path) -> Path:
         **{k: settings.get(k) for k in SCENARIO_KEYS},
     }
     methods = {run["method"]: summarize_run(run) for run in runs}
-    report = {"scenario": scenario, "methods": methods, "targets": targets(methods)}
+    report = {"scenario": scenario, "methods": methods, "targets": targets(methods),
+              "time_to_ddp_loss": time_to_ddp_loss(methods)}  # fmt: skip
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     _plot(methods, out)
@@ -247,12 +284,44 @@ def _kb(value: float | None) -> str:
     return "" if value is None else f"{value / 1e3:,.1f}"
 
 
+def _budget(scenario: dict[str, Any]) -> str:
+    swarm_rounds = scenario.get("swarm_rounds")
+    if swarm_rounds and swarm_rounds != scenario["rounds"]:
+        return f"ddp {scenario['rounds']} rounds, swarm methods {swarm_rounds} rounds"
+    return f"{scenario['rounds']} rounds"
+
+
+def _time_to_loss_table(report: dict[str, Any]) -> list[str]:
+    """Markdown lines: when each method reached ddp's final loss, with its whole-run figures beside."""
+    reached = report.get("time_to_ddp_loss")
+    if not reached:
+        return []
+    lines = [
+        f"## Time to ddp's final eval loss ({reached['ddp_final_eval_loss']:.4f}, reached at ≤ "
+        f"{reached['target_eval_loss']:.4f})",
+        "",
+        "| method | reached at round | wall s | tokens | wire MB by then | × sooner than ddp | final eval loss | "
+        "bytes/token (whole run) | mean compute util. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method, row in reached["methods"].items():
+        m = report["methods"][method]
+        utilisation = _mean([n["compute_utilisation"] for n in m["nodes"].values()])
+        at = (f"{row['round']} | {row['at_s']:.1f} | {row['tokens']:,.0f} | {_mb(row['wire_bytes_sent'])} | "
+              f"{row['times_sooner_than_ddp']:.2f}×" if row["reached"] else "not reached |  |  |  | ")  # fmt: skip
+        lines.append(
+            f"| {method} | {at} | {_fmt(m['final_eval_loss'], '.4f')} | {_fmt(m['bytes_per_token'], ',.0f')} | "
+            f"{_fmt(utilisation, '.0%')} |"
+        )
+    return [*lines, "", "Rounds count from 0; wall time from launch (start-up included, as above).", ""]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     scenario = report["scenario"]
     lines = [
         f"# Benchmark: {scenario['topology']} topology, {scenario['preset']} preset",
         "",
-        f"{scenario['rounds']} rounds × H = {scenario['inner_steps']} inner steps per node, batch "
+        f"{_budget(scenario)} × H = {scenario['inner_steps']} inner steps per node, batch "
         f"{scenario['batch_size']} × {scenario['seq_len']} tokens, {scenario['stages']} stages, peak LR "
         f"{scenario['lr']}. One `swarm` row per method, then one row per node.",
         "",
@@ -294,6 +363,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "steps trained (rounds are time-boxed, so slower nodes train fewer). "
         "Compute utilisation: compute time / the node's wall time.",
         "",
+        *_time_to_loss_table(report),
         "## Targets",
         "",
         "| target | measured | met |",

@@ -98,7 +98,7 @@ def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> Non
 
 
 def test_a_missing_topology_names_the_bundled_ones() -> None:
-    bundled = "edge-only, hetero, mixed-speed, uniform"
+    bundled = "edge-only, hetero, hetero-tiny, mixed-speed, uniform"
     with pytest.raises(TopologyError, match=rf"no such file, nor a bundled topology .*{bundled}"):
         load_topology(Path("nowhere.toml"))
 
@@ -138,6 +138,16 @@ def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
     ddp = ddp_argv(cfg, 1, 4, "10.0.0.2", "dc1.jsonl")
     assert (after(ddp, "--rank"), after(ddp, "--world-size"), after(ddp, "--master")) == ("1", "4", "10.0.0.2:29500")
     assert after(ddp, "--rounds") == "2"
+
+
+def test_swarm_methods_can_get_a_larger_budget_than_ddp() -> None:
+    cfg = BenchConfig(preset="tiny", rounds=4, swarm_rounds=24)
+    boot = bootstrap_argv(cfg, "hetero", "10.0.0.1", "b.id")
+    ddp = ddp_argv(cfg, 0, 4, "10.0.0.2", "m.jsonl")
+    assert boot[boot.index("--rounds") + 1] == "24" and ddp[ddp.index("--rounds") + 1] == "4"
+    assert BenchConfig(rounds=4).rounds_for("hetero") == 4  # 0: the same budget as ddp
+    with pytest.raises(ConfigError, match="--swarm-rounds must not be negative"):
+        BenchConfig(swarm_rounds=-1)
 
 
 def test_bench_config_rejects_unknown_methods() -> None:
@@ -216,6 +226,28 @@ def test_report_from_runs_splits_virtual_replica_tokens_and_writes_table_and_plo
     assert "| hetero | edge1 (edge) | stage |" in markdown
     for plot in (LOSS_VS_WALL, LOSS_VS_BYTES):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def test_time_to_ddp_loss_is_the_first_evaluation_within_3_percent_of_ddps_final_loss(tmp_path: Path) -> None:
+    ddp = synthetic_run("ddp", [synthetic_node(n, "ddp", None, [3.5, 3.0]) for n in ("dc0", "dc1")])
+    fast = synthetic_run("sparseloco", [synthetic_node(n, "full", None, [3.2, 3.08, 2.9]) for n in ("dc0", "dc1")])
+    for node in fast["nodes"]:  # it evaluates every 2 s where ddp takes 10
+        for i, record in enumerate(node["rounds"]):
+            record["observed"]["at_s"] = 2.0 * (i + 1)
+    slow = synthetic_run("compress-all", [synthetic_node("dc0", "full", None, [3.3, 3.2])])
+    report = json.loads(write_report([ddp, fast, slow], tmp_path).read_text())
+
+    reached = report["time_to_ddp_loss"]
+    assert reached["target_eval_loss"] == pytest.approx(3.0 * 1.03)
+    assert reached["methods"]["ddp"]["at_s"] == 30.0 and reached["methods"]["ddp"]["times_sooner_than_ddp"] == 1
+    row = reached["methods"]["sparseloco"]  # 3.08 ≤ 3.09 at round 1: 2 nodes × 2 rounds × 1000 tokens
+    assert (row["round"], row["at_s"], row["tokens"], row["times_sooner_than_ddp"]) == (1, 4.0, 4000, 7.5)
+    assert reached["methods"]["compress-all"] == {"reached": False, "times_sooner_than_ddp": None}
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| sparseloco | 1 | 4.0 | 4,000 | 0.00 | 7.50× | 2.9000 |" in markdown
+    assert "| compress-all | not reached |" in markdown
+    assert write_report([fast], tmp_path) and json.loads((tmp_path / "report.json").read_text())[
+        "time_to_ddp_loss"] is None  # no ddp run, no target  # fmt: skip
 
 
 def test_report_only_rebuilds_from_raw_runs_and_says_when_there_are_none(tmp_path: Path) -> None:
