@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero_node.protocol.errors import ConfigError, require_positive
+from hetero_node.protocol.errors import ConfigError, positive_int_list, require_positive
 
 METHODS = ("ddp", "diloco", "sparseloco", "hetero", "compress-all")
 """ddp: dense fp32 gradient all-reduce every step (torch.distributed, gloo); diloco: every node a full replica,
@@ -326,16 +326,6 @@ replica virtual with subspace boundaries; none: hetero's layout with dense bound
 SUBSPACE_METHODS = ("hetero", "compress-all")
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ConfigError(f"{flag} {text!r}: comma-separated positive integers")
-    return values
-
-
 @dataclass(frozen=True)
 class SimConfig:
     """`hetero-node sim`: the algorithm lab's grid (every list is swept) and its token budget; defaults are the
@@ -383,16 +373,43 @@ class SimConfig:
 
     @property
     def replica_counts(self) -> list[int]:
-        return _int_list(self.replicas, "--replicas")
+        return positive_int_list(self.replicas, "--replicas")
 
     @property
     def rank_list(self) -> list[int]:
-        return _int_list(self.rank_divisors, "--rank-divisors")
+        return positive_int_list(self.rank_divisors, "--rank-divisors")
 
     @property
     def h_list(self) -> list[int]:
-        return _int_list(self.inner_steps, "--inner-steps")
+        return positive_int_list(self.inner_steps, "--inner-steps")
 
     @property
     def topk_list(self) -> list[int]:
-        return _int_list(self.topk, "--topk")
+        return positive_int_list(self.topk, "--topk")
+
+
+@dataclass(frozen=True)
+class PlanScalingConfig:
+    """`hetero-node bench-plan`: the cost model's weak scaling over swarm sizes drawn from one swarm file."""
+
+    swarm: Path = field(
+        default=Path("bench/swarms/volunteers-1000.toml"), metadata={"help": "Swarm file (its first N nodes per size)."}
+    )
+    sizes: str = field(default="10,30,100,300,1000", metadata={"help": "Swarm sizes to plan, comma-separated."})
+    preset: str = field(default="1b", metadata={"help": "Model preset."})
+    batch_size: int = field(default=4, metadata={"help": "Sequences per inner step, per replica."})
+    seq_len: int = field(default=1024, metadata={"help": "Tokens per sequence."})
+    stages: int = field(default=4, metadata={"help": "Pipeline stages of a virtual replica."})
+    microbatches: int = field(default=4, metadata={"help": "Microbatches per inner step in a pipeline."})
+    inner_steps: int = field(default=30, metadata={"help": "The run's H (the planner may choose another)."})
+    h_choices: str = field(default="10,20,30,50,100", metadata={"help": "H values the planner may choose from."})
+    out: Path = field(default=Path("bench/results/plan-scaling"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "batch_size", "seq_len", "stages", "microbatches", "inner_steps")
+        positive_int_list(self.sizes, "--sizes")  # a bad list fails here, before any work
+        positive_int_list(self.h_choices, "--h-choices")
+
+    @property
+    def size_list(self) -> list[int]:
+        return positive_int_list(self.sizes, "--sizes")

@@ -243,6 +243,7 @@ def _run_record(
         "status": status,
         "elapsed_s": elapsed_s,
         "edge_nodes": list(topology.edge_nodes),
+        "run": next((p.header["run"] for p in nodes if "run" in p.header), None),
         "nodes": [
             {
                 "name": p.name,

@@ -20,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hetero_node.bench.model_check import check_run
+
 logger = logging.getLogger(__name__)
 
 LOSS_VS_WALL = "loss_vs_wall.png"
@@ -229,8 +231,9 @@ def write_report(runs: list[dict[str, Any]], out: Path) -> Path:
         **{k: settings.get(k) for k in SCENARIO_KEYS},
     }
     methods = {run["method"]: summarize_run(run) for run in runs}
+    checks = {run["method"]: check for run in runs if (check := check_run(run)) is not None}
     report = {"scenario": scenario, "methods": methods, "targets": targets(methods),
-              "time_to_ddp_loss": time_to_ddp_loss(methods)}  # fmt: skip
+              "time_to_ddp_loss": time_to_ddp_loss(methods), "cost_model": checks}  # fmt: skip
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     _plot(methods, out)
@@ -316,6 +319,33 @@ def _time_to_loss_table(report: dict[str, Any]) -> list[str]:
     return [*lines, "", "Rounds count from 0; wall time from launch (start-up included, as above).", ""]
 
 
+def _cost_model_table(checks: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown lines: the cost model's round period and bytes per node against the run's (`model_check`)."""
+    if not checks:
+        return []
+    lines = [
+        "## The cost model against this run",
+        "",
+        "| method | round s predicted | measured | error | bytes sent per node per round, predicted / measured "
+        "(error) |",
+        "|---|---|---|---|---|",
+    ]
+    for method, c in checks.items():
+        per_node = ", ".join(
+            f"{name} {_kb(c['predicted_bytes_sent_per_round'][name])} / {_kb(sent)} KB "
+            f"({_fmt(c['bytes_error'].get(name), '+.0%')})"
+            for name, sent in c["measured_bytes_sent_per_round"].items()
+        )
+        lines.append(
+            f"| {method} | {c['predicted_round_s']:.2f} | {_fmt(c['measured_round_s'], '.2f')} | "
+            f"{_fmt(c['round_error'], '+.0%')} | {per_node} |"
+        )
+    note = ("Inputs: each node's link and measured training speed, the run's own assignment; the model's defaults "
+            "(matchmaking 1 s, 0.53 MB protocol overhead per node per round, no latency). Bytes: interface "
+            "counters.")  # fmt: skip
+    return [*lines, "", note, ""]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     scenario = report["scenario"]
     lines = [
@@ -364,6 +394,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Compute utilisation: compute time / the node's wall time.",
         "",
         *_time_to_loss_table(report),
+        *_cost_model_table(report.get("cost_model") or {}),
         "## Targets",
         "",
         "| target | measured | met |",

@@ -21,6 +21,17 @@ def require_positive(config: object, *fields: str) -> None:
         raise ConfigError("; ".join(bad))
 
 
+def positive_int_list(text: str, flag: str) -> list[int]:
+    """A comma-separated option of positive integers ("8,16,32"), or a ConfigError naming the option."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text!r}: comma-separated positive integers")
+    return values
+
+
 def require_ports(config: object, *fields: str) -> None:
     """Raise one ConfigError naming every listed field that is set (not None) and not a TCP port number."""
     bad = [f"--{name.replace('_', '-')} must be in 0..65535, got {getattr(config, name)}" for name in fields

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import run_config
 
 from hetero_node.bench.commands import bootstrap_argv, ddp_argv, expected_replicas, join_argv
 from hetero_node.bench.config import METHODS, BenchConfig
@@ -24,6 +25,7 @@ from hetero_node.bench.report import LOSS_VS_BYTES, LOSS_VS_WALL, write_report
 from hetero_node.bench.suite import run_bench
 from hetero_node.bench.topology import Topology, TopologyError, load_topology, parse_topology
 from hetero_node.client.roles.metrics import RoundRecord
+from hetero_node.client.swarm.cost_model import LinkModel, RunShape
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 
 TWO_NODES = """
@@ -248,6 +250,27 @@ def test_time_to_ddp_loss_is_the_first_evaluation_within_3_percent_of_ddps_final
     assert "| compress-all | not reached |" in markdown
     assert write_report([fast], tmp_path) and json.loads((tmp_path / "report.json").read_text())[
         "time_to_ddp_loss"] is None  # no ddp run, no target  # fmt: skip
+
+
+def test_the_report_checks_the_cost_model_against_the_run(tmp_path: Path) -> None:
+    run = synthetic_run("sparseloco", [synthetic_node(n, "full", None, [3.5, 3.0]) for n in ("dc0", "dc1")])
+    config = run_config(inner_steps=10)
+    run["run"] = config.to_dict()
+    for node in run["nodes"]:
+        node.update(up_mbit=8.0, down_mbit=8.0)
+    report = json.loads(write_report([run], tmp_path).read_text())
+
+    check = report["cost_model"]["sparseloco"]
+    message = RunShape.from_run(config).message_bytes
+    speed = 1000 / 8.0  # each round: 1000 tokens in 8 s of compute
+    sent = message + LinkModel().overhead_bytes  # the one other replica fetches it; DHT and matchmaking traffic
+    assert check["predicted_round_s"] == pytest.approx(10 * 8 * 64 / speed + sent * 8 / 8e6 + 1.0)
+    assert check["measured_round_s"] == 10.0  # rounds observed at 20 s and 30 s
+    assert check["predicted_bytes_sent_per_round"]["dc0"] == sent
+    assert check["bytes_error"]["dc0"] == pytest.approx(sent / 2000 - 1)  # 4000 wire bytes over 2 rounds
+    assert "## The cost model against this run" in (tmp_path / "report.md").read_text()
+    run["method"] = "ddp"
+    assert json.loads(write_report([run], tmp_path).read_text())["cost_model"] == {}  # nothing to predict
 
 
 def test_report_only_rebuilds_from_raw_runs_and_says_when_there_are_none(tmp_path: Path) -> None:

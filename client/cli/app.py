@@ -32,6 +32,7 @@ from hetero_node.bench.config import (
     FuzzConfig,
     KillSoakConfig,
     NatBenchConfig,
+    PlanScalingConfig,
     PoisonConfig,
     RoundModesConfig,
     SimConfig,
@@ -41,6 +42,7 @@ from hetero_node.bench.config import (
 from hetero_node.bootstrap.config import BootstrapConfig, RelayConfig
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
+from hetero_node.client.cli.plan import PlanConfig
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
 from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.models.paths import default_cache_dir
@@ -389,6 +391,37 @@ def _run_with_progress(run: Callable[[Any, Any], dict], render: Callable[[dict],
     with Progress(console=err_console) as progress:
         report = run(cfg, progress)
     console.print(render(report), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+@expand_dataclass_options
+def plan(
+    context: typer.Context,
+    cfg: PlanConfig,
+    run_options: RunOptions,
+    outer: OuterConfig,
+    optim: OptimConfig,
+    sparseloco: SparseLoCoConfig,
+    pipeline: PipelineConfig,
+    config: Path | None = RUN_FILE_OPTION,
+) -> None:
+    """Plan a described swarm with the cost model: roles, virtual replicas, rank and H, with predicted round time,
+    tokens/s, utilisation and bytes per peer, next to what today's rule-based planner would do."""
+    from hetero_node.client.cli.plan import print_plan, run_plan, sizing_run
+
+    configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    result, peers = run_plan(cfg, sizing_run(*configs.values()))
+    print_plan(result, peers, cfg, console)
+
+
+@app.command("bench-plan")
+@expand_dataclass_options
+def bench_plan(cfg: PlanScalingConfig) -> None:
+    """Weak scaling by the cost model from 10 to 1,000 volunteers (a swarm file's mix), all-to-all vs butterfly
+    exchange, the planner choosing at every size; report.json, report.md and a plot under --out."""
+    from hetero_node.bench.plan_scaling import render_markdown, run_plan_scaling
+
+    _run_with_progress(run_plan_scaling, render_markdown, cfg)
 
 
 @app.command("bench-kills")

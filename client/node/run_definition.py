@@ -17,7 +17,7 @@ from typing import Any
 
 from hetero_node.client.config import RunOptions
 from hetero_node.client.swarm.runtime import PeerRuntime
-from hetero_node.models.config import get_preset
+from hetero_node.models.config import ModelConfig, get_preset
 from hetero_node.models.data import TokenStore, build_token_store
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.tokenizer import load_tokenizer
@@ -55,17 +55,7 @@ def prepare_run(
     """Load (or build) the token store and return the run config that names it."""
     tokenizer = load_tokenizer(options.tokenizer)
     store = build_token_store(options.data, tokenizer, options.cache_dir or default_cache_dir())
-    model_cfg = get_preset(options.preset, vocab_size=tokenizer.vocab_size)
-    if options.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"--seq-len {options.seq_len} exceeds {options.preset}'s max_seq_len {model_cfg.max_seq_len}")
-    if outer.stages > model_cfg.n_layers:
-        raise ConfigError(f"--stages {outer.stages} exceeds {options.preset}'s {model_cfg.n_layers} layers")
-    if pipeline.microbatches > options.batch_size:
-        raise ConfigError(f"--microbatches {pipeline.microbatches} exceeds --batch-size {options.batch_size}")
-    if pipeline.rank(model_cfg.d_model) > model_cfg.d_model:
-        raise ConfigError(f"--subspace-rank {pipeline.subspace_rank} exceeds {options.preset}'s d_model")
-    if pipeline.activation_compression == "compress-all" and outer.stages < 2:
-        raise ConfigError("--activation-compression compress-all needs --stages ≥ 2 (a pipeline to compress)")
+    check_run_shape(options, outer, pipeline, get_preset(options.preset, vocab_size=tokenizer.vocab_size))
     run = RunConfig(
         preset=options.preset,
         vocab_size=tokenizer.vocab_size,
@@ -81,6 +71,20 @@ def prepare_run(
         pipeline=pipeline,
     )
     return run, store
+
+
+def check_run_shape(options: RunOptions, outer: OuterConfig, pipeline: PipelineConfig, model_cfg: ModelConfig) -> None:
+    """ConfigError unless the batch, stages and boundary fit the model (what no dataclass can check alone)."""
+    if options.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {options.seq_len} exceeds {options.preset}'s max_seq_len {model_cfg.max_seq_len}")
+    if outer.stages > model_cfg.n_layers:
+        raise ConfigError(f"--stages {outer.stages} exceeds {options.preset}'s {model_cfg.n_layers} layers")
+    if pipeline.microbatches > options.batch_size:
+        raise ConfigError(f"--microbatches {pipeline.microbatches} exceeds --batch-size {options.batch_size}")
+    if pipeline.rank(model_cfg.d_model) > model_cfg.d_model:
+        raise ConfigError(f"--subspace-rank {pipeline.subspace_rank} exceeds {options.preset}'s d_model")
+    if pipeline.activation_compression == "compress-all" and outer.stages < 2:
+        raise ConfigError("--activation-compression compress-all needs --stages ≥ 2 (a pipeline to compress)")
 
 
 def load_run_file(path: Path) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,82 @@
+"""The cost model against a netlab run: predict the run's round from what the lab gave its nodes, compare.
+
+Inputs the model gets, per node: its link rates (the topology's), its training speed (measured in the run:
+tokens over compute seconds, a stage's scaled to the full model by its share of the FLOPs), and the assignment the
+run actually had (roles, virtual replicas and stages from the nodes' metrics headers). Nothing is fitted to the
+run: matchmaking time, protocol overhead and latency are the model's defaults (the overhead's default came from
+the sparseloco run of `make bench-long`, so that row checks nothing about bytes). What is compared: the round
+period (time between a node's successive rounds, median over nodes) and the bytes each node sent per round
+(interface counters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hetero_node.client.swarm.cost_model import Assignment, LinkModel, RunShape, predict_round
+from hetero_node.client.swarm.planner import PeerInfo
+from hetero_node.protocol.errors import HeteroNodeError
+from hetero_node.protocol.run_config import RunConfig
+
+
+def _assignment(nodes: list[dict[str, Any]], stages: int) -> Assignment | None:
+    full = tuple(n["name"] for n in nodes if n["header"].get("role") == "full")
+    vrs: dict[int, dict[int, str]] = {}
+    for n in nodes:
+        if n["header"].get("role") == "stage":
+            vrs.setdefault(n["header"]["vr"], {})[n["header"]["stage"]] = n["name"]
+    if any(len(held) != stages for held in vrs.values()):
+        return None
+    return Assignment(full, tuple(tuple(held[s] for s in range(stages)) for _, held in sorted(vrs.items())))
+
+
+def _period(rounds: list[dict[str, Any]]) -> float | None:
+    times = [r["observed"]["at_s"] for r in rounds]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+def _run_config(run: dict[str, Any]) -> RunConfig | None:
+    """The run's config: recorded in the run (since the cost model exists), else in a node's metrics header."""
+    if run.get("run"):
+        return RunConfig.from_dict(run["run"])
+    for node in run["nodes"]:
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError, HeteroNodeError):
+            metrics = Path(node["log"]).with_suffix(".jsonl")
+            return RunConfig.from_dict(json.loads(metrics.read_text().splitlines()[0])["header"]["run"])
+    return None
+
+
+def check_run(run: dict[str, Any]) -> dict[str, Any] | None:
+    """Predicted vs measured round period and bytes per node per round; None for ddp, failed runs, runs whose
+    config is lost, or with an incomplete virtual replica."""
+    config = None if run["method"] == "ddp" or run["status"] != "ok" else _run_config(run)
+    if config is None:
+        return None
+    shape = RunShape.from_run(config)
+    assignment = _assignment(run["nodes"], shape.stages)
+    if assignment is None or not assignment.replicas or not all(n["rounds"] for n in run["nodes"]):
+        return None
+    peers = {}
+    for n in run["nodes"]:
+        header, rounds = n["header"], n["rounds"]
+        share = shape.stage_compute_share[header["stage"]] if header.get("role") == "stage" else 1.0
+        speed = share * sum(r["tokens"] for r in rounds) / max(sum(r["compute_s"] for r in rounds), 1e-9)
+        memory = 10**12  # the run's own assignment is checked, not the memory the node advertised
+        peers[n["name"]] = PeerInfo(n["name"], memory, n["up_mbit"], n["down_mbit"], speed)
+    prediction = predict_round(peers, assignment, shape, LinkModel())
+    periods = [p for p in (_period(n["rounds"]) for n in run["nodes"]) if p is not None]
+    measured_period = statistics.median(periods) if periods else None
+    sent = {n["name"]: n["wire_bytes_sent"] / len(n["rounds"]) for n in run["nodes"]}
+    predicted_sent = {name: node.bytes_up for name, node in prediction.nodes.items()}
+    return {
+        "predicted_round_s": prediction.round_s,
+        "measured_round_s": measured_period,
+        "round_error": prediction.round_s / measured_period - 1 if measured_period else None,
+        "predicted_bytes_sent_per_round": predicted_sent,
+        "measured_bytes_sent_per_round": sent,
+        "bytes_error": {k: predicted_sent[k] / sent[k] - 1 for k in sent if sent[k]},
+    }

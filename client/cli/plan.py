@@ -1,0 +1,177 @@
+"""`hetero-node plan`: what a described swarm would do with a run, by the cost model, against today's rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from hetero_node.client.config import OptimConfig, RunOptions
+from hetero_node.client.swarm.auto_plan import H_CHOICES, AutoPlan, Choice, auto_plan
+from hetero_node.client.swarm.cost_model import EXCHANGES, TABLE_UPKEEPS
+from hetero_node.client.swarm.planner import PeerInfo
+from hetero_node.client.swarm.swarm_file import load_swarm
+from hetero_node.models.config import get_preset
+from hetero_node.protocol.errors import ConfigError, positive_int_list
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The swarm to plan for and how its exchange runs; the run comes from the usual run options."""
+
+    swarm: Path | None = field(
+        default=None, metadata={"help": "Swarm description TOML: node kinds with speed, memory and links."}
+    )
+    exchange: str = field(
+        default="all-to-all",
+        metadata={"help": f"Outer exchange to model: {', '.join(EXCHANGES)} (today's swarm runs all-to-all)."},
+    )
+    table_upkeep: str = field(
+        default="dense",
+        metadata={"help": f"How later stages keep T_fixed current: {', '.join(TABLE_UPKEEPS)} (today: dense)."},
+    )
+    h_choices: str = field(
+        default=",".join(map(str, H_CHOICES)), metadata={"help": "H values the planner may choose from."}
+    )
+    rows: int = field(default=20, metadata={"help": "Replicas listed (the fastest first); the summary covers all."})
+    json_out: Path | None = field(default=None, metadata={"help": "Also write the plan and predictions here."})
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES:
+            raise ConfigError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if self.table_upkeep not in TABLE_UPKEEPS:
+            raise ConfigError(f"--table-upkeep must be one of {', '.join(TABLE_UPKEEPS)}, got {self.table_upkeep!r}")
+        if self.rows < 0:
+            raise ConfigError(f"--rows must be ≥ 0, got {self.rows}")
+        positive_int_list(self.h_choices, "--h-choices")  # a bad list fails before any work
+
+    @property
+    def h_list(self) -> list[int]:
+        return positive_int_list(self.h_choices, "--h-choices")
+
+
+def sizing_run(
+    options: RunOptions, outer: OuterConfig, optim: OptimConfig, sparseloco: SparseLoCoConfig, pipeline: PipelineConfig
+) -> RunConfig:
+    """The run as the planner needs it: its shapes, not its data (the vocabulary is the tokenizer's when one is
+    given, else the preset's own; no corpus is read)."""
+    from hetero_node.client.node.run_definition import check_run_shape
+    from hetero_node.models.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(options.tokenizer).vocab_size if options.tokenizer else get_preset(options.preset).vocab_size
+    check_run_shape(options, outer, pipeline, get_preset(options.preset, vocab_size=vocab))
+    return RunConfig(
+        preset=options.preset, vocab_size=vocab, batch_size=options.batch_size, seq_len=options.seq_len,
+        seed=options.seed, data_shards=options.data_shards, data_identity="-", tokenizer_identity="-", outer=outer,
+        optim=optim, sparseloco=sparseloco, pipeline=pipeline,
+    )  # fmt: skip
+
+
+def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerInfo]]:
+    if cfg.swarm is None:
+        raise ConfigError("--swarm is required: a TOML file describing the nodes (see `hetero-node plan --help`)")
+    parameters = get_preset(run.preset, vocab_size=run.vocab_size).n_params()
+    nodes, links = load_swarm(cfg.swarm, parameters)
+    links = dataclasses.replace(links, exchange=cfg.exchange, table_upkeep=cfg.table_upkeep)
+    try:
+        result = auto_plan(nodes, run, links, cfg.h_list)
+    except ValueError as e:
+        raise ConfigError(f"{cfg.swarm}: {e}") from None
+    return result, {p.peer_id: p for p in nodes}
+
+
+def choice_summary(choice: Choice, peers: dict[str, PeerInfo]) -> dict[str, Any]:
+    """The figures of one plan, as `--json-out` and the summary table show them."""
+    p = choice.prediction
+    solo = sum(peer.tokens_per_s for peer in peers.values())
+    used = [n for n in p.nodes.values() if n.steps]
+    used_solo = sum(peers[name].tokens_per_s for name, n in p.nodes.items() if n.steps)
+    return {
+        "full_replicas": len(choice.assignment.full),
+        "virtual_replicas": len(choice.assignment.virtual),
+        "contributors": p.contributors,
+        "inner_steps": choice.inner_steps,
+        "rank": choice.rank,
+        "round_s": p.round_s,
+        "window_s": p.window_s,
+        "tokens_per_round": p.tokens_per_round,
+        "tokens_per_s": p.tokens_per_s,
+        "weak_scaling": p.tokens_per_s / solo if solo else None,
+        "used_scaling": p.tokens_per_s / used_solo if used_solo else None,
+        "mean_utilisation": sum(n.compute_s for n in used) / (len(used) * p.round_s) if used and p.round_s else None,
+        "max_bytes_up_per_peer": max((n.bytes_up for n in p.nodes.values()), default=0.0),
+        "max_bytes_down_per_peer": max((n.bytes_down for n in p.nodes.values()), default=0.0),
+    }
+
+
+def plan_json(result: AutoPlan, peers: dict[str, PeerInfo]) -> dict[str, Any]:
+    best = result.best
+    return {
+        "best": choice_summary(best, peers),
+        "rules": choice_summary(result.rules, peers),
+        "full": list(best.assignment.full),
+        "virtual": [list(vr) for vr in best.assignment.virtual],
+        "idle": list(result.idle),
+        "nodes": {k: vars(v) for k, v in best.prediction.nodes.items()},
+    }
+
+
+def _percent(x: float | None) -> str:
+    return "" if x is None else f"{x:.0%}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f}"
+
+
+def print_plan(result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console) -> None:
+    best, rules = choice_summary(result.best, peers), choice_summary(result.rules, peers)
+    summary = Table(title=f"plan for {len(peers)} nodes ({cfg.exchange} exchange, {cfg.table_upkeep} T_fixed)")
+    summary.add_column("")
+    summary.add_column("optimised", justify="right")
+    summary.add_column("today's rules", justify="right")
+    rows = (
+        ("full + virtual replicas", lambda s: f"{s['full_replicas']} + {s['virtual_replicas']}"),
+        ("replicas that train", lambda s: str(s["contributors"])),
+        ("H / boundary rank", lambda s: f"{s['inner_steps']} / {s['rank'] or 'dense'}"),
+        ("round s (training window)", lambda s: f"{s['round_s']:,.1f} ({s['window_s']:,.1f})"),
+        ("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
+        ("weak scaling (all nodes / nodes that train)",
+         lambda s: f"{_percent(s['weak_scaling'])} / {_percent(s['used_scaling'])}"),
+        ("mean compute utilisation", lambda s: "" if s["mean_utilisation"] is None else f"{s['mean_utilisation']:.0%}"),
+        ("max MB per peer per round up / down",
+         lambda s: f"{_mb(s['max_bytes_up_per_peer'])} / {_mb(s['max_bytes_down_per_peer'])}"),
+    )  # fmt: skip
+    for label, render in rows:
+        summary.add_row(label, render(best), render(rules))
+    console.print(summary)
+    table = Table(title="replicas (optimised plan)")
+    for column in ("replica", "nodes (stage order)", "steps/round", "compute s", "exchange s", "MB up", "MB down"):
+        table.add_column(column, justify="left" if column.startswith(("replica", "nodes")) else "right")
+    prediction = result.best.prediction
+    replicas: dict[int, list[str]] = {}
+    for peer_id, node in prediction.nodes.items():
+        replicas.setdefault(node.replica, []).append(peer_id)
+    for replica, members in sorted(replicas.items())[: cfg.rows]:
+        nodes = [prediction.nodes[m] for m in members]
+        kind = "full" if nodes[0].role == "full" else "virtual"
+        table.add_row(
+            f"{replica} ({kind})", ", ".join(members), str(nodes[0].steps),
+            f"{max(n.compute_s for n in nodes):.1f}", f"{max(n.exchange_s for n in nodes):.1f}",
+            _mb(max(n.bytes_up for n in nodes)), _mb(max(n.bytes_down for n in nodes)),
+        )  # fmt: skip
+    console.print(table)
+    if len(replicas) > cfg.rows:
+        console.print(f"… and {len(replicas) - cfg.rows} more replicas (--rows N lists more)", markup=False)
+    if result.idle:
+        more = " …" if len(result.idle) > 10 else ""
+        console.print(f"idle ({len(result.idle)}): {', '.join(result.idle[:10])}{more}", markup=False)
+    if cfg.json_out is not None:
+        cfg.json_out.write_text(json.dumps(plan_json(result, peers), indent=2) + "\n")
+        console.print(f"wrote {cfg.json_out}", markup=False)

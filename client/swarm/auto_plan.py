@@ -1,0 +1,200 @@
+"""The optimising planner: full replicas, virtual-replica groupings, subspace rank and H, chosen by the cost model.
+
+UniAP-style: an optimisation over a time and memory model (`cost_model`), not a rule list. The search space is
+structured so that it stays small for a thousand peers:
+* full replicas are the f fastest nodes that hold the whole model;
+* the other nodes that hold a stage are taken in link order (a pipeline runs at its slowest link, so similar
+  links go together) into groups of S, each node on the most demanding free stage it fits; within a group the
+  fastest node takes the stage with the most compute when memory allows. The v groups with the fastest
+  predicted steps become virtual replicas (a slow one may cost the swarm more exchange time than its tokens are
+  worth, and is left idle);
+* the boundary rank is one of d/8, d/16, d/32 or the run's own, and H one of `h_choices`.
+f and v are searched on a grid (every count up to 8, then steps of a quarter), first at the run's rank and H,
+then rank and H at the best (f, v), then (f, v) again. The score is the predicted tokens/s. The quality cost is
+bounded, not traded: ranks below d/32 are not offered (the algorithm lab's finding 3: compress-all diverges at
+d/64), and among plans within `TOLERANCE` of the best tokens/s the one with the smallest H (more frequent outer
+steps), then the largest rank (less compression), wins. Today's rule-based plan (`planner.plan`) is a candidate
+whenever the run's H is one of `h_choices`, so the result is then never worse than the rules by the model; every
+candidate fits in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hetero_node.client.swarm.cost_model import (
+    Assignment,
+    LinkModel,
+    RoundPrediction,
+    RunShape,
+    predict_round,
+    run_variant,
+    virtual_step_s,
+)
+from hetero_node.client.swarm.planner import PeerInfo, Requirements, plan
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING
+from hetero_node.protocol.run_config import RunConfig
+
+RANK_DIVISORS = (8, 16, 32)
+"""Boundary ranks the planner may choose, as d_model / N (d/64 failed in the lab)."""
+H_CHOICES = (10, 20, 30, 50, 100)
+TOLERANCE = 0.02
+"""Plans within 2% of the best predicted tokens/s count as equally fast; quality then decides."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A candidate plan and what the model predicts for it."""
+
+    assignment: Assignment
+    inner_steps: int
+    rank: int | None
+    prediction: RoundPrediction
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prediction.tokens_per_s
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    best: Choice
+    rules: Choice  # today's rule-based planner at the run's own rank and H, by the same model
+    idle: tuple[str, ...]  # nodes the best plan leaves out
+
+    def weak_scaling(self, peers: Mapping[str, PeerInfo]) -> float:
+        """Swarm tokens/s over the sum of every node's solo full-model tokens/s."""
+        solo = sum(p.tokens_per_s for p in peers.values())
+        return self.best.tokens_per_s / solo if solo else 0.0
+
+
+def requirements(shape: RunShape) -> Requirements:
+    """The rule planner's inputs, from the same shape the model uses."""
+    return Requirements(
+        stages=shape.stages,
+        full_memory_bytes=shape.full_memory_bytes,
+        stage_memory_bytes=shape.stage_memory_bytes,
+        replica_round_bytes=shape.message_bytes,
+        tokens_per_round=shape.inner_steps * shape.tokens_per_step,
+    )
+
+
+def rules_assignment(peers: Iterable[PeerInfo], shape: RunShape) -> Assignment:
+    """What today's planner makes of these nodes all joining at once (incomplete virtual replicas train nothing)."""
+    joining = [PeerInfo(**{**p.__dict__, "role": ROLE_JOINING, "vr": -1, "stage": -1}) for p in peers]
+    result = plan(joining, requirements(shape))
+    full = tuple(p for p, role in result.roles.items() if role == ROLE_FULL)
+    vrs = result.virtual_replicas(shape.stages).values()
+    return Assignment(full, tuple(tuple(vr[s] for s in range(shape.stages)) for vr in vrs if len(vr) == shape.stages))
+
+
+def count_grid(n: int) -> list[int]:
+    """0..8, then about a quarter more each step, and n."""
+    counts, c = set(range(min(n, 8) + 1)), 8.0
+    while c < n:
+        c *= 1.25
+        counts.add(min(n, math.ceil(c)))
+    return sorted(counts | {n})
+
+
+def _stage_order(group: Sequence[PeerInfo], shape: RunShape) -> tuple[str, ...]:
+    """Holders of stages 0..S-1 for a group that fits in the order given: the fastest node on the heaviest stage
+    when memory allows that, else the order given."""
+    by_speed = sorted(group, key=lambda p: (-p.tokens_per_s, p.peer_id))
+    heaviest = sorted(range(shape.stages), key=lambda s: -shape.stage_compute_share[s])
+    order = dict(zip(heaviest, by_speed, strict=True))
+    if all(shape.stage_memory_bytes[s] <= p.memory_bytes for s, p in order.items()):
+        return tuple(order[s].peer_id for s in range(shape.stages))
+    return tuple(p.peer_id for p in group)
+
+
+def _fullable(peers: Mapping[str, PeerInfo], shape: RunShape) -> list[str]:
+    """Nodes that may be full replicas, fastest first."""
+    fit = [p for p in peers.values() if p.memory_bytes >= shape.full_memory_bytes and p.tokens_per_s > 0]
+    return [p.peer_id for p in sorted(fit, key=lambda p: (-p.tokens_per_s, p.peer_id))]
+
+
+def _groups(pool: list[PeerInfo], shape: RunShape, links: LinkModel) -> list[tuple[str, ...]]:
+    """Complete stage groups, fastest predicted step first. Nodes are taken in link order (similar links together)
+    and each joins the oldest open group with a free stage it fits, the most demanding such stage first (so nodes
+    with memory to spare take the stages that need it); incomplete groups at the end are dropped."""
+    usable = sorted((p for p in pool if p.tokens_per_s > 0), key=lambda p: (-p.link_mbps, p.peer_id))
+    need = shape.stage_memory_bytes
+    open_groups: list[list[PeerInfo]] = []
+    groups = []
+    for peer in usable:
+        fits = sorted((s for s in range(shape.stages) if need[s] <= peer.memory_bytes), key=lambda s: -need[s])
+        free = next(((g, s) for g in open_groups for s in fits if g[s] is None), None)
+        if free is None:
+            if not fits:
+                continue
+            free = ([None] * shape.stages, fits[0])
+            open_groups.append(free[0])
+        group, stage = free
+        group[stage] = peer
+        if all(group):
+            open_groups.remove(group)
+            groups.append(_stage_order([p for p in group if p], shape))
+    by_id = {p.peer_id: p for p in pool}
+    return sorted(groups, key=lambda g: virtual_step_s([by_id[p] for p in g], shape, links))
+
+
+def _assignments(peers: Mapping[str, PeerInfo], shape: RunShape, links: LinkModel) -> Iterable[Assignment]:
+    fullable = _fullable(peers, shape)
+    for f in count_grid(len(fullable)):
+        full = fullable[:f]
+        taken = set(full)
+        groups = _groups([p for p in peers.values() if p.peer_id not in taken], shape, links)
+        for v in count_grid(len(groups)):
+            if f or v:
+                yield Assignment(tuple(full), tuple(groups[:v]))
+
+
+def _rank(divisor: int, d_model: int) -> int:
+    return max(1, d_model // divisor)
+
+
+def _choose(options: list[Choice]) -> Choice:
+    """Fastest, then, within TOLERANCE of it, the smallest H, the largest rank, the fewest replicas."""
+    top = max(c.tokens_per_s for c in options)
+    near = [c for c in options if c.tokens_per_s >= (1 - TOLERANCE) * top]
+    return min(near, key=lambda c: (c.inner_steps, -(c.rank or 0), c.assignment.replicas, -c.tokens_per_s))
+
+
+def auto_plan(
+    peers: Iterable[PeerInfo], run: RunConfig, links: LinkModel = LinkModel(), h_choices: Sequence[int] = H_CHOICES
+) -> AutoPlan:
+    """The best plan for these nodes by the cost model (see the module docstring), with H from `h_choices` and
+    the rank from d/8, d/16, d/32 or the run's own. ValueError if nothing fits."""
+    by_id = {p.peer_id: p for p in peers}
+    base = RunShape.from_run(run)
+    today = rules_assignment(by_id.values(), base)
+    rules = Choice(today, base.inner_steps, base.rank, predict_round(by_id, today, base, links))
+
+    def evaluate(assignment: Assignment, shape: RunShape) -> Choice | None:
+        prediction = predict_round(by_id, assignment, shape, links)
+        return Choice(assignment, shape.inner_steps, shape.rank, prediction) if prediction.feasible else None
+
+    def shape_for(inner_steps: int, rank: int | None) -> RunShape:
+        return RunShape.from_run(run_variant(run, inner_steps, rank or None))
+
+    def best_layout(inner_steps: int, rank: int | None) -> list[Choice]:
+        shape = shape_for(inner_steps, rank)
+        return [c for c in (evaluate(a, shape) for a in _assignments(by_id, shape, links)) if c is not None]
+
+    first_h = base.inner_steps if base.inner_steps in h_choices else h_choices[0]
+    pool = best_layout(first_h, base.rank)
+    if first_h == base.inner_steps and rules.prediction.feasible and rules.assignment.replicas:
+        pool.append(rules)
+    if not pool:
+        raise ValueError("no node can hold the model or complete a virtual replica: nothing to plan")
+    layout = _choose(pool).assignment
+    ranks = sorted({base.rank, *(_rank(d, base.d_model) for d in RANK_DIVISORS)}) if base.rank else [None]
+    settings = [evaluate(layout, shape_for(h, r)) for h in h_choices for r in ranks]
+    chosen = _choose([c for c in settings if c is not None] + pool)
+    final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
+    best = _choose(final)
+    used = set(best.assignment.full) | {p for vr in best.assignment.virtual for p in vr}
+    return AutoPlan(best, rules, tuple(sorted(set(by_id) - used)))

@@ -1,0 +1,304 @@
+"""How long one outer round takes, what it trains and what it moves, for a given assignment of nodes to replicas.
+
+The optimising planner (`auto_plan`) searches assignments with this model and `hetero-node plan` prints its
+predictions; the netlab's measured rounds check it (README, *The cost model*). Pure arithmetic: the run's sizes
+come from `RunShape.from_run` (the codecs the nodes run), speeds and links from peer records or a swarm file.
+
+One round, as the protocol runs it:
+* a full replica's inner step takes tokens_per_step / tokens_per_s (its measured full-model throughput); a virtual
+  replica's is a GPipe step: M + S − 1 microbatch slots of its slowest stage (its share of the model's FLOPs at
+  its node's speed, plus its boundary traffic at its link), plus a one-way latency per boundary each way;
+* the training window is H steps of the fastest replica (`--round-s 0`); each replica trains the whole steps
+  that fit and sits the round out below `min_inner_steps`;
+* the exchange: per shard a member holds, all-to-all (today) downloads every other member's message and serves
+  its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two messages each way
+  whatever R is. Stages without the embedding also learn T_fixed's change every round: today by downloading the
+  whole fp32 table ("dense"), or, modelled, by downloading the embedding's sparse messages and applying the same
+  drift transfer themselves ("sparse"). Every member also moves a fixed protocol overhead (DHT records,
+  matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a matchmaking overhead
+  and a round trip;
+* the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
+  behind the next window, so the round is the longer of the two (stage peers still wait theirs out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from hetero_node.client.swarm.planner import PeerInfo
+from hetero_node.protocol.run_config import RunConfig
+
+EXCHANGES = ("all-to-all", "butterfly")
+"""all-to-all: what the swarm runs today (O(R) messages per peer); butterfly: the flat alternative, modelled."""
+TABLE_UPKEEPS = ("dense", "sparse")
+"""dense: later stages download T_fixed every round (today); sparse: they download the embedding's messages."""
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The sizes of one run that the round's time and bytes depend on."""
+
+    tokens_per_step: int
+    inner_steps: int
+    stages: int
+    microbatches: int
+    min_inner_steps: int
+    overlap: bool
+    shard_message_bytes: tuple[int, ...]  # one replica's outer message per shard
+    stage_compute_share: tuple[float, ...]  # each stage's fraction of the model's training FLOPs
+    boundary_forward_bytes: int  # what one boundary carries forward per inner step (all microbatches)
+    boundary_backward_bytes: int
+    fixed_table_bytes: int  # T_fixed, fetched each round by stages without the embedding (0: no subspace)
+    embedding_message_bytes: int  # the embedding's part of one replica's message (what "sparse" upkeep fetches)
+    full_memory_bytes: int
+    stage_memory_bytes: tuple[int, ...]
+    rank: int | None  # the boundary's subspace rank (None: dense boundaries)
+    d_model: int
+
+    @property
+    def message_bytes(self) -> int:
+        return sum(self.shard_message_bytes)
+
+    @classmethod
+    def from_run(cls, run: RunConfig) -> RunShape:
+        return _shape(run)
+
+
+@cache
+def _shape(run: RunConfig) -> RunShape:
+    """Cached: the planner asks for the same few (rank, H) variants of one run many times. Imports here: the
+    CLI loads this module to build `plan`'s options, and must not load torch for `--help`."""
+    import torch
+
+    from hetero_node.models.config import get_preset
+    from hetero_node.models.memory import full_and_stage_memory, parameter_count
+    from hetero_node.models.shards import shard_parameter_names
+    from hetero_node.models.stages import stage_layer_ranges
+    from hetero_node.models.transformer import Transformer
+    from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, BoundaryFormat
+    from hetero_node.protocol.outer_methods import outer_method
+
+    cfg = get_preset(run.preset, vocab_size=run.vocab_size)
+    stages, micro = run.outer.stages, min(run.pipeline.microbatches, run.batch_size)
+    full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, stages)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    messages = tuple(
+        outer_method(run, [shapes[n] for n in names]).max_message_bytes for names in shard_parameter_names(cfg, stages)
+    )
+    ranges = stage_layer_ranges(cfg.n_layers, stages)
+    flops = [parameter_count(cfg, layers, False, s == stages - 1) for s, layers in enumerate(ranges)]
+    rank = run.pipeline.rank(cfg.d_model) if run.pipeline.compressed else None
+    fmt = BoundaryFormat(cfg.d_model, cfg.vocab_size, cfg.max_seq_len, rank, run.pipeline.boundary_wire)
+    per_micro = run.batch_size // micro
+    return RunShape(
+        tokens_per_step=run.batch_size * run.seq_len,
+        inner_steps=run.outer.inner_steps,
+        stages=stages,
+        microbatches=micro,
+        min_inner_steps=run.outer.min_inner_steps,
+        overlap=run.outer.overlap,
+        shard_message_bytes=messages,
+        stage_compute_share=tuple(f / sum(flops) for f in flops),
+        boundary_forward_bytes=micro * fmt.message_bytes(FORWARD, per_micro, run.seq_len),
+        boundary_backward_bytes=micro * fmt.message_bytes(BACKWARD, per_micro, run.seq_len),
+        fixed_table_bytes=cfg.vocab_size * cfg.d_model * 4 if run.uses_subspace else 0,
+        embedding_message_bytes=outer_method(run, [shapes["embed.weight"]]).max_message_bytes,
+        full_memory_bytes=full,
+        stage_memory_bytes=tuple(per_stage),
+        rank=rank,
+        d_model=cfg.d_model,
+    )
+
+
+def run_variant(run: RunConfig, inner_steps: int | None = None, rank: int | None = None) -> RunConfig:
+    """The run with another H and/or boundary rank: what the planner compares."""
+    outer = run.outer if inner_steps is None else dataclasses.replace(run.outer, inner_steps=inner_steps)
+    pipeline = run.pipeline if rank is None else dataclasses.replace(run.pipeline, subspace_rank=rank)
+    return dataclasses.replace(run, outer=outer, pipeline=pipeline)
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """What the records do not say: latency, and the fixed cost of forming a group."""
+
+    rtt_ms: float = 0.0
+    matchmaking_s: float = 1.0
+    exchange: str = "all-to-all"
+    table_upkeep: str = "dense"
+    overhead_bytes: float = 0.53e6
+    """What a member sends (and receives) per round besides messages: DHT records, matchmaking, manifests,
+    verification. 0.53 MB is the 4-node lab's figure (the sparseloco run of `make bench-long`)."""
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        if self.table_upkeep not in TABLE_UPKEEPS:
+            raise ValueError(f"table_upkeep must be one of {', '.join(TABLE_UPKEEPS)}, got {self.table_upkeep!r}")
+        if min(self.rtt_ms, self.matchmaking_s, self.overhead_bytes) < 0:
+            raise ValueError("rtt_ms, matchmaking_s and overhead_bytes must be ≥ 0")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Who does what: full replicas, and virtual replicas as their stage holders in stage order."""
+
+    full: tuple[str, ...] = ()
+    virtual: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def replicas(self) -> int:
+        return len(self.full) + len(self.virtual)
+
+
+@dataclass(frozen=True)
+class NodeRound:
+    """One node's part of a predicted round."""
+
+    role: str  # "full" or "stage"
+    replica: int  # index into full replicas, then virtual ones
+    steps: int  # inner steps it trains (0: it sits the round out)
+    compute_s: float
+    exchange_s: float
+    bytes_up: float  # per round: outer exchange + T_fixed + pipeline boundaries
+    bytes_down: float
+    memory_ok: bool
+
+
+@dataclass(frozen=True)
+class RoundPrediction:
+    window_s: float
+    round_s: float
+    tokens_per_round: int
+    contributors: int
+    nodes: dict[str, NodeRound]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_round / self.round_s if self.round_s > 0 else 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return all(n.memory_ok for n in self.nodes.values())
+
+    def utilisation(self, peer_id: str) -> float:
+        return self.nodes[peer_id].compute_s / self.round_s if self.round_s > 0 else 0.0
+
+    @property
+    def max_bytes_per_peer(self) -> float:
+        return max((max(n.bytes_up, n.bytes_down) for n in self.nodes.values()), default=0.0)
+
+
+def _transfer_s(nbytes_up: float, nbytes_down: float, peer: PeerInfo) -> float:
+    """Seconds to move both directions at once over the node's link (the slower direction decides)."""
+    up = nbytes_up * 8 / (peer.upload_mbps * 1e6) if nbytes_up else 0.0
+    down = nbytes_down * 8 / (peer.download_mbps * 1e6) if nbytes_down else 0.0
+    return max(up, down)
+
+
+def full_step_s(peer: PeerInfo, shape: RunShape) -> float:
+    return shape.tokens_per_step / peer.tokens_per_s if peer.tokens_per_s > 0 else math.inf
+
+
+def boundary_bytes(stage: int, shape: RunShape) -> tuple[int, int]:
+    """(up, down) bytes per inner step of stage `stage`: forward out and backward in toward the next stage,
+    forward in and backward out toward the previous one."""
+    to_next, to_prev = stage < shape.stages - 1, stage > 0
+    up = to_next * shape.boundary_forward_bytes + to_prev * shape.boundary_backward_bytes
+    down = to_prev * shape.boundary_forward_bytes + to_next * shape.boundary_backward_bytes
+    return up, down
+
+
+def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, links: LinkModel) -> float:
+    """A GPipe inner step: (M + S − 1) slots of the slowest stage, plus latency across every boundary each way."""
+    slots = []
+    for stage, peer in enumerate(holders):
+        if peer.tokens_per_s <= 0:
+            return math.inf
+        compute = shape.tokens_per_step * shape.stage_compute_share[stage] / peer.tokens_per_s
+        slots.append((compute + _transfer_s(*boundary_bytes(stage, shape), peer)) / shape.microbatches)
+    latency = (shape.stages - 1) * links.rtt_ms / 1e3  # one way forward and one way back per boundary
+    return (shape.microbatches + shape.stages - 1) * max(slots) + latency
+
+
+def exchange_bytes(nbytes: float, contributors: int, exchange: str) -> float:
+    """Bytes each way one member moves for one shard whose message is `nbytes`, among `contributors`."""
+    if contributors < 2:
+        return 0.0
+    if exchange == "all-to-all":
+        return (contributors - 1) * nbytes
+    return 2 * nbytes * (contributors - 1) / contributors  # reduce-scatter, then all-gather, of 1/R parts
+
+
+def predict_round(
+    peers: Mapping[str, PeerInfo], assignment: Assignment, shape: RunShape, links: LinkModel = LinkModel()
+) -> RoundPrediction:
+    """The model's round for this assignment (see the module docstring). Unknown peer ids are a KeyError."""
+    step_s: list[float] = [full_step_s(peers[p], shape) for p in assignment.full]
+    step_s += [virtual_step_s([peers[p] for p in vr], shape, links) for vr in assignment.virtual]
+    finite = [s for s in step_s if math.isfinite(s)]
+    window = shape.inner_steps * min(finite) if finite else 0.0
+    steps = [int(window / s + 1e-9) if math.isfinite(s) else 0 for s in step_s]
+    steps = [n if n >= shape.min_inner_steps else 0 for n in steps]
+    contributors = sum(1 for n in steps if n)
+
+    members: list[tuple[str, str, int, int, tuple[int, ...]]] = []  # (peer, role, replica, stage, shards held)
+    members += [(p, "full", i, -1, tuple(range(shape.stages))) for i, p in enumerate(assignment.full)]
+    members += [
+        (p, "stage", len(assignment.full) + v, s, (s,))
+        for v, vr in enumerate(assignment.virtual)
+        for s, p in enumerate(vr)
+    ]
+    shard0_holders = sum(1 for _, _, replica, stage, _ in members if stage <= 0 and steps[replica])
+    table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and steps[replica])
+    nodes = {}
+    for peer_id, role, replica, stage, shards in members:
+        peer, n = peers[peer_id], steps[replica]
+        up = down = 0.0  # the round's exchange: messages of the shards held, T_fixed, protocol overhead
+        if n:
+            up = down = links.overhead_bytes + sum(
+                exchange_bytes(shape.shard_message_bytes[s], contributors, links.exchange) for s in shards
+            )
+            table_down, table_up = _table_upkeep_bytes(shape, links, contributors, shard0_holders, table_fetchers)
+            if stage > 0:
+                down += table_down
+            else:
+                up += table_up
+        exchange_s = _transfer_s(up, down, peer) + links.matchmaking_s + links.rtt_ms / 1e3 if n else 0.0
+        if role == "stage":
+            b_up, b_down = boundary_bytes(stage, shape)
+            up, down = up + n * b_up, down + n * b_down
+            compute = n * shape.tokens_per_step * shape.stage_compute_share[stage] / peer.tokens_per_s if n else 0.0
+            memory = shape.stage_memory_bytes[stage]
+        else:
+            compute, memory = (n * full_step_s(peer, shape) if n else 0.0), shape.full_memory_bytes
+        nodes[peer_id] = NodeRound(role, replica, n, compute, exchange_s, up, down, memory <= peer.memory_bytes)
+    round_s = _round_s(window, nodes, shape)
+    tokens = sum(steps) * shape.tokens_per_step
+    return RoundPrediction(window, round_s, tokens, contributors, nodes)
+
+
+def _table_upkeep_bytes(
+    shape: RunShape, links: LinkModel, contributors: int, holders: int, fetchers: int
+) -> tuple[float, float]:
+    """(what a later stage downloads, what each shard-0 holder uploads) per round to keep T_fixed current."""
+    if not shape.fixed_table_bytes or not holders:
+        return 0.0, 0.0
+    if links.table_upkeep == "dense":
+        return shape.fixed_table_bytes, shape.fixed_table_bytes * fetchers / holders
+    # every contributor's embedding message (the stage holds none of them), served by the shard-0 holders
+    down = exchange_bytes(shape.embedding_message_bytes, contributors + 1, links.exchange)
+    return down, down * fetchers / holders
+
+
+def _round_s(window: float, nodes: Mapping[str, NodeRound], shape: RunShape) -> float:
+    full = max((n.exchange_s for n in nodes.values() if n.role == "full"), default=0.0)
+    stage = max((n.exchange_s for n in nodes.values() if n.role == "stage"), default=0.0)
+    if shape.overlap:
+        return max(window + stage, window, full)
+    return window + max(full, stage)

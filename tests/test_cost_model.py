@@ -1,0 +1,222 @@
+"""The cost model on hand-computed rounds, its sizes against the codecs the nodes run, and the optimising planner
+on synthetic swarms (never worse than today's rules by the model, never over a node's memory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from factories import run_config
+
+from hetero_node.client.node.capabilities import run_requirements
+from hetero_node.client.swarm.auto_plan import auto_plan, count_grid
+from hetero_node.client.swarm.cost_model import (
+    Assignment,
+    LinkModel,
+    RunShape,
+    exchange_bytes,
+    predict_round,
+)
+from hetero_node.client.swarm.planner import PeerInfo
+from hetero_node.client.swarm.swarm_file import load_swarm, parse_swarm
+from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD
+from hetero_node.protocol.errors import ConfigError
+
+GB = 10**9
+
+# 100 tokens per step, H = 10, two stages of equal compute, messages of 1000 and 3000 bytes per shard.
+SHAPE = RunShape(
+    tokens_per_step=100, inner_steps=10, stages=2, microbatches=2, min_inner_steps=1, overlap=False,
+    shard_message_bytes=(1000, 3000), stage_compute_share=(0.5, 0.5), boundary_forward_bytes=50,
+    boundary_backward_bytes=40, fixed_table_bytes=0, embedding_message_bytes=200, full_memory_bytes=10 * GB,
+    stage_memory_bytes=(5 * GB, 5 * GB),
+    rank=16, d_model=128,
+)  # fmt: skip
+
+
+def peer(name: str, tokens_per_s: float, mbps: float, memory_gb: float = 16) -> PeerInfo:
+    return PeerInfo(name, int(memory_gb * GB), mbps, mbps, tokens_per_s)
+
+
+PEERS = {p.peer_id: p for p in (peer("a", 100, 8), peer("b", 50, 8), peer("c", 100, 1), peer("d", 100, 1))}
+BARE = LinkModel(overhead_bytes=0)  # messages only: no DHT and matchmaking traffic
+
+
+def test_a_round_of_two_full_replicas_and_one_virtual_replica_by_hand() -> None:
+    p = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), SHAPE, BARE)
+    # VR step: (2 + 2 - 1) slots of (0.5 s compute + 50 bytes at 1 Mbit/s) / 2 microbatches
+    slot = (0.5 + 50 * 8 / 1e6) / 2
+    assert p.window_s == pytest.approx(10 * 3 * slot)  # H steps of the fastest replica (the VR)
+    assert [p.nodes[n].steps for n in "abcd"] == [7, 3, 10, 10]  # a: 1 s per step, b: 2 s
+    assert p.contributors == 3 and p.tokens_per_round == (7 + 3 + 10) * 100
+    a, c, d = p.nodes["a"], p.nodes["c"], p.nodes["d"]
+    assert a.bytes_up == a.bytes_down == 2 * 4000  # 2 other replicas, both shards
+    assert a.exchange_s == pytest.approx(8000 * 8 / 8e6 + 1.0)  # + the default matchmaking second
+    assert (c.bytes_up, c.bytes_down) == (2 * 1000 + 10 * 50, 2 * 1000 + 10 * 40)  # shard 0 + boundary traffic
+    assert (d.bytes_up, d.bytes_down) == (2 * 3000 + 10 * 40, 2 * 3000 + 10 * 50)
+    assert d.exchange_s == pytest.approx(6000 * 8 / 1e6 + 1.0)
+    assert p.round_s == pytest.approx(p.window_s + d.exchange_s)  # the slowest member's exchange
+    assert a.compute_s == pytest.approx(7.0) and p.utilisation("a") == pytest.approx(7.0 / p.round_s)
+    assert p.feasible
+    with_overhead = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), SHAPE, LinkModel(overhead_bytes=500))
+    assert with_overhead.nodes["a"].bytes_down == a.bytes_down + 500
+
+
+def test_latency_overlap_memory_and_sitting_out() -> None:
+    slow = {**PEERS, "e": peer("e", 5, 8)}  # 20 s per step: not one step fits a 7.5 s window
+    links = LinkModel(rtt_ms=100, matchmaking_s=0, overhead_bytes=0)
+    p = predict_round(slow, Assignment(("a", "e"), (("c", "d"),)), SHAPE, links)
+    assert p.nodes["e"].steps == 0 and p.nodes["e"].bytes_down == 0 and p.contributors == 2
+    assert p.nodes["a"].bytes_down == 1 * 4000  # only the other contributor's message
+    latency_step = predict_round(PEERS, Assignment((), (("c", "d"),)), SHAPE, LinkModel(rtt_ms=100)).window_s / 10
+    assert latency_step == pytest.approx(3 * (0.5 + 50 * 8 / 1e6) / 2 + 0.1)  # one boundary, one way each direction
+    overlapped = dataclasses.replace(SHAPE, overlap=True)
+    full_only = predict_round(PEERS, Assignment(("a", "b")), overlapped, LinkModel(matchmaking_s=30))
+    assert full_only.round_s == pytest.approx(full_only.nodes["a"].exchange_s)  # the exchange outlasts the window
+    assert not predict_round({"x": peer("x", 100, 8, memory_gb=4)}, Assignment(("x",)), SHAPE).feasible
+
+
+def test_butterfly_bytes_stay_flat_while_all_to_all_grows_with_the_swarm() -> None:
+    for replicas in (2, 4, 16, 1000):
+        assert exchange_bytes(1000, replicas, "all-to-all") == (replicas - 1) * 1000
+        assert exchange_bytes(1000, replicas, "butterfly") == pytest.approx(2000 * (replicas - 1) / replicas)
+    assert exchange_bytes(1000, 1, "all-to-all") == exchange_bytes(1000, 1, "butterfly") == 0
+
+
+def test_later_stages_fetch_the_fixed_table_or_the_embedding_messages_from_shard_0_holders() -> None:
+    shape = dataclasses.replace(SHAPE, fixed_table_bytes=600)
+    p = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), shape, BARE)
+    assert p.nodes["d"].bytes_down == 2 * 3000 + 10 * 50 + 600
+    assert p.nodes["a"].bytes_up == 2 * 4000 + 600 / 3  # three shard-0 holders (a, b, c) share one upload
+    sparse = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), shape, LinkModel(table_upkeep="sparse",
+                           overhead_bytes=0))  # fmt: skip
+    assert sparse.nodes["d"].bytes_down == 2 * 3000 + 10 * 50 + 3 * 200  # the 3 contributors' embedding messages
+    assert sparse.nodes["a"].bytes_up == 2 * 4000 + 3 * 200 / 3
+
+
+def test_the_run_shape_has_the_sizes_the_nodes_send() -> None:
+    run = run_config(inner_steps=20)
+    shape = RunShape.from_run(run)
+    assert shape.message_bytes == run_requirements(run).replica_round_bytes
+    assert sum(shape.stage_compute_share) == pytest.approx(1) and shape.stage_compute_share[1] > 0.5  # the head
+    from hetero_node.client.roles.pipeline_stage import boundary_format
+
+    fmt, per_micro = boundary_format(run), run.batch_size // shape.microbatches
+    assert shape.boundary_forward_bytes == shape.microbatches * fmt.message_bytes(FORWARD, per_micro, run.seq_len)
+    assert shape.boundary_backward_bytes == shape.microbatches * fmt.message_bytes(BACKWARD, per_micro, run.seq_len)
+    assert shape.fixed_table_bytes == 256 * 128 * 4 and shape.rank == 16
+    assert (shape.tokens_per_step, shape.inner_steps) == (8 * 64, 20)
+
+
+def random_swarm(seed: int, n: int) -> list[PeerInfo]:
+    rng = random.Random(seed)
+    return [
+        PeerInfo(f"n{i:02d}", int(rng.choice([0.03, 0.04, 0.3, 8]) * GB), rng.choice([5, 20, 50, 1000]),
+                 rng.choice([20, 50, 1000]), rng.choice([300.0, 1000.0, 5000.0]))
+        for i in range(n)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_optimised_plan_is_never_worse_than_the_rules_and_always_fits(seed: int) -> None:
+    torch.set_num_threads(1)
+    run = run_config(inner_steps=20)
+    peers = random_swarm(seed, 10)
+    by_id = {p.peer_id: p for p in peers}
+    result = auto_plan(peers, run, LinkModel(matchmaking_s=2.0), h_choices=(10, 20, 50))
+    assert result.best.tokens_per_s >= result.rules.tokens_per_s * (1 - 0.02)  # the tolerance buys quality only
+    shape = RunShape.from_run(run)
+    for name, node in result.best.prediction.nodes.items():
+        need = shape.full_memory_bytes if node.role == "full" else shape.stage_memory_bytes[0]
+        assert by_id[name].memory_bytes >= min(need, *shape.stage_memory_bytes) and node.memory_ok
+    used = [n for vr in result.best.assignment.virtual for n in vr] + list(result.best.assignment.full)
+    assert len(used) == len(set(used)) and set(used) | set(result.idle) == set(by_id)
+    assert all(len(vr) == 2 for vr in result.best.assignment.virtual)
+
+
+def test_the_planner_picks_small_h_when_the_exchange_is_cheap_and_large_h_when_it_is_not() -> None:
+    run = run_config(inner_steps=20)
+    peers = [PeerInfo(f"dc{i}", 8 * GB, 1000, 1000, 5000.0) for i in range(4)]
+    cheap = auto_plan(peers, run, LinkModel(matchmaking_s=0.0), h_choices=(10, 20, 100))
+    assert cheap.best.inner_steps == 10 and len(cheap.best.assignment.full) == 4
+    costly = auto_plan(peers, run, LinkModel(matchmaking_s=20.0), h_choices=(10, 20, 100))
+    assert costly.best.inner_steps == 100  # 20 s per round to form a group: H = 10 would idle most of the time
+    assert costly.best.tokens_per_s > costly.rules.tokens_per_s
+
+
+def test_count_grid_covers_small_counts_exactly_and_large_ones_geometrically() -> None:
+    assert count_grid(5) == [0, 1, 2, 3, 4, 5]
+    grid = count_grid(1000)
+    assert grid[:9] == list(range(9)) and grid[-1] == 1000 and len(grid) <= 32
+    assert all(b <= a * 1.25 + 1 for a, b in itertools.pairwise(grid[8:]))
+
+
+def test_swarm_files_expand_counts_convert_tflops_and_reject_typos(tmp_path: Path) -> None:
+    path = tmp_path / "swarm.toml"
+    path.write_text(
+        'rtt_ms = 40\n[[node]]\nname = "dc"\ncount = 2\ntflops = 6\nmemory_gb = 80\nup_mbit = 1000\n'
+        '[[node]]\nname = "home"\ntokens_per_s = 500\nmemory_gb = 8\nup_mbit = 20\ndown_mbit = 200\nrelayed = true\n'
+    )
+    peers, links = load_swarm(path, parameters=10**6)
+    assert [p.peer_id for p in peers] == ["dc-0", "dc-1", "home"] and links.rtt_ms == 40
+    assert peers[0].tokens_per_s == pytest.approx(6e12 / 6e6) and peers[0].download_mbps == 1000
+    assert (peers[2].upload_mbps, peers[2].download_mbps, peers[2].relayed) == (20, 200, True)
+    node = {"name": "x", "tokens_per_s": 1, "memory_gb": 1, "up_mbit": 1}
+    for bad, message in (
+        ({"node": [{**node, "down_mibt": 5}]}, "unknown key.*down_mibt"),
+        ({"node": [{**node, "tflops": 3}]}, "exactly one of tokens_per_s and tflops"),
+        ({"node": [{**node, "count": 0}]}, "count must be an integer"),
+        ({"node": [node, node]}, "unique"),
+        ({"node": [{**node, "up_mbit": "fast"}]}, "up_mbit.*finite number"),
+        ({"nodes": []}, "unknown key"),
+        ({}, "no \\[\\[node\\]\\] entries"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_swarm(bad, 10**6)
+    path.write_text("[[node]\n")
+    with pytest.raises(ConfigError, match="not TOML"):
+        load_swarm(path, 10**6)
+
+
+def test_plan_prints_the_optimised_plan_next_to_the_rules_and_writes_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_cli import assert_one_line_error, run_main
+
+    swarm = tmp_path / "swarm.toml"
+    swarm.write_text(
+        '[[node]]\nname = "dc"\ncount = 2\ntokens_per_s = 2500\nmemory_gb = 8\nup_mbit = 1000\n'
+        '[[node]]\nname = "edge"\ncount = 2\ntokens_per_s = 2500\nmemory_gb = 0.04\nup_mbit = 50\n'
+    )
+    out_json = tmp_path / "plan.json"
+    args = (
+        "plan",
+        "--swarm",
+        str(swarm),
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--inner-steps",
+        "20",
+    )
+    code, out, err = run_main(monkeypatch, capsys, *args, "--h-choices", "20", "--json-out", str(out_json))
+    assert code == 0, err
+    assert "optimised" in out and "today's rules" in out and "edge-" in out
+    plan = json.loads(out_json.read_text())
+    assert plan["full"] == ["dc-0", "dc-1"] and sorted(plan["virtual"][0]) == ["edge-0", "edge-1"]  # 40 MB: stages
+    assert plan["best"]["inner_steps"] == 20 and plan["best"]["tokens_per_s"] >= 0.98 * plan["rules"]["tokens_per_s"]
+    code, _, err = run_main(monkeypatch, capsys, "plan", "--preset", "tiny")
+    assert code == 1
+    assert_one_line_error(err, "--swarm is required")
+    code, _, err = run_main(monkeypatch, capsys, *args, "--h-choices", "ten")
+    assert_one_line_error(err, "--h-choices 'ten'")
+    code, _, err = run_main(monkeypatch, capsys, "plan", "--swarm", str(tmp_path / "none.toml"), "--preset", "tiny")
+    assert_one_line_error(err, "cannot read the swarm file")
