@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint bench bench-long bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
+.PHONY: venv data demo test test-long docker-test lint bench bench-long bench-plan bench-exchange bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -51,6 +51,14 @@ bench: venv data
 bench-long: venv data
 	$(BIN)/hetero-node bench --topology hetero-tiny --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
 		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long
+
+# The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 5 min).
+bench-plan: venv
+	$(BIN)/hetero-node bench-plan --out bench/results/plan-scaling
+
+# Bytes a full replica downloads per round in loopback swarms of 2-16 tiny replicas, measured and modelled (~14 min).
+bench-exchange: venv data
+	$(BIN)/hetero-node bench-exchange --out bench/results/exchange-scaling
 
 # 20 SIGKILLs (with restarts) and 5 freezes of random peers of a local swarm (no root needed; about 7 min).
 bench-kills: venv data

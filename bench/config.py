@@ -413,3 +413,17 @@ class PlanScalingConfig:
     @property
     def size_list(self) -> list[int]:
         return positive_int_list(self.sizes, "--sizes")
+
+
+@dataclass(frozen=True)
+class ExchangeScalingConfig:
+    """`hetero-node bench-exchange`: loopback swarms of full replicas of `tiny`, one per size."""
+
+    replicas: str = field(default="2,4,8,16", metadata={"help": "Swarm sizes (full replicas), comma-separated."})
+    rounds: int = field(default=3, metadata={"help": "Outer rounds per swarm."})
+    inner_steps: int = field(default=5, metadata={"help": "H."})
+    out: Path = field(default=Path("bench/results/exchange-scaling"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "rounds", "inner_steps")
+        positive_int_list(self.replicas, "--replicas")  # a bad list fails here, before any work

@@ -220,3 +220,41 @@ def test_plan_prints_the_optimised_plan_next_to_the_rules_and_writes_json(
     assert_one_line_error(err, "--h-choices 'ten'")
     code, _, err = run_main(monkeypatch, capsys, "plan", "--swarm", str(tmp_path / "none.toml"), "--preset", "tiny")
     assert_one_line_error(err, "cannot read the swarm file")
+
+
+def test_bench_plan_reports_every_size_and_design_and_butterfly_never_moves_more(tmp_path: Path) -> None:
+    from hetero_node.bench.config import PlanScalingConfig
+    from hetero_node.bench.plan_scaling import DESIGNS, PLOT, run_plan_scaling
+
+    swarm = tmp_path / "swarm.toml"
+    swarm.write_text(
+        '[[node]]\nname = "dc"\ncount = 4\ntokens_per_s = 3000\nmemory_gb = 8\nup_mbit = 20\n'
+        '[[node]]\nname = "home"\ncount = 4\ntokens_per_s = 2000\nmemory_gb = 0.04\nup_mbit = 10\n'
+    )
+    cfg = PlanScalingConfig(swarm=swarm, sizes="3,8", preset="tiny", batch_size=8, seq_len=64, stages=2,
+                            microbatches=2, inner_steps=20, h_choices="20", out=tmp_path / "out")  # fmt: skip
+    rows = run_plan_scaling(cfg)["rows"]
+    assert [(r["nodes"], r["design"]) for r in rows] == [(n, d) for n in (3, 8) for d in DESIGNS]
+    for n in (3, 8):
+        by_design = {r["design"]: r["best"] for r in rows if r["nodes"] == n}
+        assert by_design["butterfly + sparse T_fixed"]["max_bytes_down_per_peer"] <= by_design["today"][
+            "max_bytes_down_per_peer"]  # fmt: skip
+        assert all(0 < b["weak_scaling"] <= b["used_scaling"] <= 1 for b in by_design.values())
+    assert (cfg.out / PLOT).read_bytes().startswith(b"\x89PNG")
+    assert "| 8 | today |" in (cfg.out / "report.md").read_text()
+
+
+def test_bench_exchange_counts_only_rounds_a_replica_contributed_to_from_its_group() -> None:
+    from hetero_node.bench.exchange_scaling import measured_downloads, render_markdown
+
+    rounds = [
+        {"round": 0, "group_size": 2, "bytes_received": 1, "contributed": True, "caught_up": ""},  # still arriving
+        {"round": 1, "group_size": 2, "bytes_received": 500, "contributed": True, "caught_up": ""},
+        {"round": 2, "group_size": 0, "bytes_received": 9000, "contributed": False, "caught_up": "state"},
+        {"round": 3, "group_size": 3, "bytes_received": 700, "contributed": True, "caught_up": ""},
+    ]
+    assert measured_downloads({"peers": [{"rounds": rounds}]}) == [(2, 500), (3, 700)]
+    row = {"replicas": 4, "message_bytes": 26000, "group_sizes": [3, 4], "measured_mean": 80000.0,
+           "measured_max": 81000, "model_at_groups": 70000, "samples": 6, "model_all_to_all": 78000,
+           "model_butterfly": 39000}  # fmt: skip
+    assert "| 4 | 26.0 | 3–4 | 80.0 / 81.0 (6) | 70.0 | 78.0 | 39.0 |" in render_markdown({"rows": [row]})

@@ -29,6 +29,7 @@ from hetero_node.bench.config import (
     BenchConfig,
     ByzantineConfig,
     DDPWorkerConfig,
+    ExchangeScalingConfig,
     FuzzConfig,
     KillSoakConfig,
     NatBenchConfig,
@@ -422,6 +423,16 @@ def bench_plan(cfg: PlanScalingConfig) -> None:
     from hetero_node.bench.plan_scaling import render_markdown, run_plan_scaling
 
     _run_with_progress(run_plan_scaling, render_markdown, cfg)
+
+
+@app.command("bench-exchange")
+@expand_dataclass_options
+def bench_exchange(cfg: ExchangeScalingConfig) -> None:
+    """Bytes a full replica downloads per round in loopback swarms of 2 to 16 replicas (tiny), measured and
+    modelled (today's all-to-all exchange, and butterfly); report.json and report.md under --out."""
+    from hetero_node.bench.exchange_scaling import render_markdown, run_exchange_scaling
+
+    _run_with_progress(run_exchange_scaling, render_markdown, cfg)
 
 
 @app.command("bench-kills")

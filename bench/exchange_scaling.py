@@ -1,0 +1,103 @@
+"""`hetero-node bench-exchange`: bytes each full replica downloads per round as the swarm grows, measured on
+loopback (`hetero-node demo`, real processes) and next to what the cost model says for today's all-to-all
+exchange and for a butterfly one.
+
+Measured = the round's message bytes a replica counted downloading, in rounds it contributed to from its group
+(round 0 is left out: peers are still arriving), mean and max over replicas and rounds, with the sizes of the
+groups that formed: on a small machine a large swarm's rounds can split into several smaller groups, and the model
+is also given at those sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from hetero_node.bench.config import ExchangeScalingConfig
+from hetero_node.client.cli.plan import sizing_run
+from hetero_node.client.config import OptimConfig, RunOptions
+from hetero_node.client.swarm.cost_model import RunShape, exchange_bytes
+from hetero_node.protocol.errors import HeteroNodeError, positive_int_list
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
+
+CLI = [sys.executable, "-m", "hetero_node.client.cli"]
+
+
+def demo_argv(cfg: ExchangeScalingConfig, replicas: int, report: Path) -> list[str]:
+    return [
+        *CLI, "demo", "--preset", "tiny", "--full", str(replicas), "--virtual", "0", "--rounds", str(cfg.rounds),
+        "--inner-steps", str(cfg.inner_steps), "--batch-size", "4", "--seq-len", "64", "--report", str(report),
+    ]  # fmt: skip
+
+
+def measured_downloads(report: dict[str, Any]) -> list[tuple[int, int]]:
+    """(group size, bytes downloaded) per replica per round, over rounds ≥ 1 it contributed to from its group."""
+    return [
+        (r["group_size"], r["bytes_received"])
+        for peer in report["peers"]
+        for r in peer["rounds"]
+        if r["round"] >= 1 and r.get("contributed") and not r.get("caught_up")
+    ]
+
+
+def run_exchange_scaling(cfg: ExchangeScalingConfig, progress: Progress | None = None) -> dict[str, Any]:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    sizes = positive_int_list(cfg.replicas, "--replicas")
+    task = progress.add_task("swarm sizes", total=len(sizes)) if progress else None
+    run = sizing_run(RunOptions(preset="tiny", batch_size=4, seq_len=64), OuterConfig(inner_steps=cfg.inner_steps),
+                     OptimConfig(), SparseLoCoConfig(), PipelineConfig())  # the demo's run  # fmt: skip
+    message = RunShape.from_run(run).message_bytes
+    rows = []
+    for replicas in sizes:
+        path = cfg.out / f"demo-{replicas}.json"
+        done = subprocess.run(demo_argv(cfg, replicas, path), capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not path.exists():
+            raise HeteroNodeError(f"the {replicas}-replica demo failed: {done.stderr.strip()[-500:]}")
+        samples = measured_downloads(json.loads(path.read_text()))
+        groups = [g for g, _ in samples]
+        rows.append({
+            "replicas": replicas,
+            "message_bytes": message,
+            "group_sizes": [min(groups), max(groups)] if groups else None,
+            "measured_mean": statistics.mean(b for _, b in samples) if samples else None,
+            "measured_max": max((b for _, b in samples), default=None),
+            "model_at_groups": statistics.mean(exchange_bytes(message, g, "all-to-all") for g in groups or [0]),
+            "samples": len(samples),
+            "model_all_to_all": exchange_bytes(message, replicas, "all-to-all"),
+            "model_butterfly": exchange_bytes(message, replicas, "butterfly"),
+        })  # fmt: skip
+        if progress is not None and task is not None:
+            progress.advance(task)
+    result = {"config": {k: str(v) for k, v in vars(cfg).items()}, "rows": rows}
+    (cfg.out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    (cfg.out / "report.md").write_text(render_markdown(result))
+    return result
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Bytes a full replica downloads per round (tiny, loopback)",
+        "",
+        "| replicas | message KB | groups formed (sizes) | measured KB (mean / max, n) | "
+        "model at the groups formed KB | model at R: all-to-all KB | model at R: butterfly KB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if r["samples"]:
+            low, high = r["group_sizes"]
+            formed = f"{low}–{high}" if low != high else str(low)
+            measured = f"{r['measured_mean'] / 1e3:,.1f} / {r['measured_max'] / 1e3:,.1f} ({r['samples']})"
+            at_groups = f"{r['model_at_groups'] / 1e3:,.1f}"
+        else:
+            formed, measured, at_groups = "none", "no contributed rounds", ""
+        lines.append(
+            f"| {r['replicas']} | {r['message_bytes'] / 1e3:,.1f} | {formed} | {measured} | {at_groups} | "
+            f"{r['model_all_to_all'] / 1e3:,.1f} | {r['model_butterfly'] / 1e3:,.1f} |"
+        )
+    return "\n".join([*lines, ""])
