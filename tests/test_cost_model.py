@@ -215,7 +215,9 @@ def test_plan_prints_the_optimised_plan_next_to_the_rules_and_writes_json(
     assert plan["best"]["inner_steps"] == 20 and plan["best"]["tokens_per_s"] >= 0.98 * plan["rules"]["tokens_per_s"]
     code, _, err = run_main(monkeypatch, capsys, "plan", "--preset", "tiny")
     assert code == 1
-    assert_one_line_error(err, "--swarm is required")
+    assert_one_line_error(err, "give --swarm FILE (a described swarm) or --peers ADDR (a live one)")
+    code, _, err = run_main(monkeypatch, capsys, *args, "--peers", "/ip4/127.0.0.1/tcp/1/p2p/x")
+    assert_one_line_error(err, "not both or neither")
     code, _, err = run_main(monkeypatch, capsys, *args, "--h-choices", "ten")
     assert_one_line_error(err, "--h-choices 'ten'")
     code, _, err = run_main(monkeypatch, capsys, "plan", "--swarm", str(tmp_path / "none.toml"), "--preset", "tiny")

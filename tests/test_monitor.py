@@ -21,6 +21,7 @@ from factories import peer_id, peer_record
 from prometheus_client.parser import text_string_to_metric_families
 from swarm_helpers import join_args, rounds_of, run_args
 
+from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
 from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.monitor.http_server import MonitorServer, open_dashboard
@@ -204,7 +205,7 @@ class LiveSwarm:
 
     def __init__(self, swarm: LocalSwarm, workdir: Path) -> None:
         self.swarm, self.workdir = swarm, workdir
-        peers = swarm.start_bootstrap([*run_args(rounds=200, inner_steps=4), "--metrics-port", "0"])
+        self.peers = peers = swarm.start_bootstrap([*run_args(rounds=200, inner_steps=4), "--metrics-port", "0"])
         for i, name in enumerate(PEERS):
             swarm.start(name, join_args(peers, i, workdir, min_peers="2", metrics_port="0"))
         self.urls = {name: self.url_of(name) for name in ("bootstrap", *PEERS)}
@@ -261,6 +262,22 @@ def test_live_nodes_export_their_rounds_and_the_bootstrap_the_swarm(live: LiveSw
     swarm_values = samples(get(live.urls["bootstrap"] + "metrics"))
     assert swarm_values[("hetero_node_swarm_peers", (("role", "full"),))] == 2
     assert swarm_values[("hetero_node_swarm_round", ())] >= 1
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_plan_reads_the_live_swarm_and_predicts_its_round(live: LiveSwarm, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    done = subprocess.run([*CLI, "plan", "--peers", live.peers, "--h-choices", "4", "--json-out", str(out)],
+                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "now" in done.stdout and "optimised" in done.stdout
+    plan = json.loads(out.read_text())
+    now = plan["rules"]  # the second column: the swarm's own assignment, as its records say
+    assert now["full_replicas"] == 2 and now["virtual_replicas"] == 0 and now["inner_steps"] == 4
+    assert now["round_s"] > 0 and now["tokens_per_s"] > 0  # speeds and links from the records
+    assert plan["best"]["tokens_per_s"] >= 0.98 * now["tokens_per_s"]
+    assert len(plan["full"]) + sum(len(vr) for vr in plan["virtual"]) + len(plan["idle"]) == 2  # both records
 
 
 @pytest.mark.multipeer

@@ -406,13 +406,13 @@ def plan(
     pipeline: PipelineConfig,
     config: Path | None = RUN_FILE_OPTION,
 ) -> None:
-    """Plan a described swarm with the cost model: roles, virtual replicas, rank and H, with predicted round time,
-    tokens/s, utilisation and bytes per peer, next to what today's rule-based planner would do."""
+    """Plan a described (--swarm) or live (--peers) swarm with the cost model: roles, virtual replicas, rank and H,
+    with predicted round time, tokens/s, utilisation and bytes per peer, next to today's rules or the swarm now."""
     from hetero_node.client.cli.plan import print_plan, run_plan, sizing_run
 
     configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
-    result, peers = run_plan(cfg, sizing_run(*configs.values()))
-    print_plan(result, peers, cfg, console)
+    result, peers, baseline = run_plan(cfg, sizing_run(*configs.values()))
+    print_plan(result, peers, cfg, console, baseline)
 
 
 @app.command("bench-plan")

@@ -13,11 +13,12 @@ from rich.table import Table
 
 from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.swarm.auto_plan import H_CHOICES, AutoPlan, Choice, auto_plan
-from hetero_node.client.swarm.cost_model import EXCHANGES, TABLE_UPKEEPS
+from hetero_node.client.swarm.cost_model import EXCHANGES, TABLE_UPKEEPS, Assignment, LinkModel, RunShape, predict_round
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.client.swarm.swarm_file import load_swarm
 from hetero_node.models.config import get_preset
 from hetero_node.protocol.errors import ConfigError, positive_int_list
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
 
 
@@ -27,6 +28,10 @@ class PlanConfig:
 
     swarm: Path | None = field(
         default=None, metadata={"help": "Swarm description TOML: node kinds with speed, memory and links."}
+    )
+    peers: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Plan a live swarm instead: its bootstrap's multiaddr (nodes, roles and run from the DHT)."},
     )
     exchange: str = field(
         default="all-to-all",
@@ -73,17 +78,60 @@ def sizing_run(
     )  # fmt: skip
 
 
-def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerInfo]]:
-    if cfg.swarm is None:
-        raise ConfigError("--swarm is required: a TOML file describing the nodes (see `hetero-node plan --help`)")
-    parameters = get_preset(run.preset, vocab_size=run.vocab_size).n_params()
-    nodes, links = load_swarm(cfg.swarm, parameters)
+def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerInfo], str]:
+    """The optimised plan, the nodes, and what the second column shows: today's rules for a swarm file, the
+    swarm's own assignment for a live swarm (`--peers`, whose announced run replaces `run`)."""
+    if (cfg.swarm is None) == (not cfg.peers):
+        raise ConfigError("give --swarm FILE (a described swarm) or --peers ADDR (a live one), not both or neither")
+    if cfg.peers:
+        run, nodes, current = read_live_swarm(cfg.peers)
+        links, where, baseline = LinkModel(), "the live swarm", "now"
+    else:
+        nodes, links = load_swarm(cfg.swarm, get_preset(run.preset, vocab_size=run.vocab_size).n_params())
+        current, where, baseline = None, str(cfg.swarm), "today's rules"
     links = dataclasses.replace(links, exchange=cfg.exchange, table_upkeep=cfg.table_upkeep)
     try:
         result = auto_plan(nodes, run, links, cfg.h_list)
     except ValueError as e:
-        raise ConfigError(f"{cfg.swarm}: {e}") from None
-    return result, {p.peer_id: p for p in nodes}
+        raise ConfigError(f"{where}: {e}") from None
+    by_id = {p.peer_id: p for p in nodes}
+    if current is not None:  # compare with what the swarm runs, at its own H and rank
+        shape = RunShape.from_run(run)
+        now = Choice(current, shape.inner_steps, shape.rank, predict_round(by_id, current, shape, links))
+        result = dataclasses.replace(result, rules=now)
+    return result, by_id, baseline
+
+
+def read_live_swarm(peers: list[str]) -> tuple[RunConfig, list[PeerInfo], Assignment]:
+    """The announced run, every node as the live planner sees it (a relayed one at its share of the relay), and
+    the assignment the records hold (virtual replicas with every stage held)."""
+    from hetero_node.client.node.run_definition import fetch_run_announcement
+    from hetero_node.client.swarm.membership import peer_info, relay_shares
+    from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
+
+    runtime = PeerRuntime(parse_peer_multiaddrs([p for arg in peers for p in arg.replace(",", " ").split()]),
+                          client_mode=True)  # fmt: skip
+    try:
+        announcement = fetch_run_announcement(runtime)
+        if announcement is None:
+            raise ConfigError("no peer in --peers announces a run (is it the bootstrap's multiaddr?)")
+        runtime.join_run(announcement.run_id, serve=False)
+        timed = runtime.read_records_timed()
+    finally:
+        runtime.shutdown()
+    if not timed:
+        raise ConfigError("the DHT did not answer, or the run has no peers yet; check --peers and try again")
+    run = RunConfig.from_dict(announcement.config)
+    records = {pid: record for pid, (record, _) in timed.items()}
+    shares = relay_shares(records)
+    nodes = [peer_info(record, shares.get(pid)) for pid, record in sorted(records.items())]
+    stages = run.outer.stages
+    held: dict[int, dict[int, str]] = {}
+    for node in nodes:
+        if node.role == ROLE_STAGE and node.vr >= 0 and 0 <= node.stage < stages:
+            held.setdefault(node.vr, {})[node.stage] = node.peer_id
+    virtual = tuple(tuple(vr[s] for s in range(stages)) for _, vr in sorted(held.items()) if len(vr) == stages)
+    return run, nodes, Assignment(tuple(n.peer_id for n in nodes if n.role == ROLE_FULL), virtual)
 
 
 def choice_summary(choice: Choice, peers: dict[str, PeerInfo]) -> dict[str, Any]:
@@ -130,12 +178,14 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.2f}"
 
 
-def print_plan(result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console) -> None:
+def print_plan(
+    result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console, baseline: str = "today's rules"
+) -> None:
     best, rules = choice_summary(result.best, peers), choice_summary(result.rules, peers)
     summary = Table(title=f"plan for {len(peers)} nodes ({cfg.exchange} exchange, {cfg.table_upkeep} T_fixed)")
     summary.add_column("")
     summary.add_column("optimised", justify="right")
-    summary.add_column("today's rules", justify="right")
+    summary.add_column(baseline, justify="right")
     rows = (
         ("full + virtual replicas", lambda s: f"{s['full_replicas']} + {s['virtual_replicas']}"),
         ("replicas that train", lambda s: str(s["contributors"])),
