@@ -87,7 +87,10 @@ class NodeConfig:
     peers: list[str] = field(default_factory=list, metadata={"help": "Multiaddrs of peers to join through."})
     host: str = field(default="127.0.0.1", metadata={"help": "Interface to listen on (0.0.0.0 for all)."})
     port: int = field(default=0, metadata={"help": "TCP port to listen on (0: any free port)."})
-    identity: Path | None = field(default=None, metadata={"help": "Private key file: keeps the peer id stable."})
+    identity: Path | None = field(
+        default=None,
+        metadata={"help": "Private key file: keeps the peer id stable (default: one in --checkpoint-dir, if given)."},
+    )
     swarm_key: Path | None = field(
         default=None, metadata={"help": "A private swarm's key file (from `hetero-node swarm-key`): proves membership."}
     )

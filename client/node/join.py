@@ -36,6 +36,10 @@ from hetero_node.protocol.swarm_key import load_swarm_key, member_proof
 
 logger = logging.getLogger(__name__)
 
+IDENTITY_NAME = "identity"
+"""Without --identity, a node with a checkpoint directory keeps its key there: restarted, it is the same peer, so
+its own record (and pipeline slot) is not mistaken for another peer's that still holds the slot it checkpointed."""
+
 
 def _initial_record(
     runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int
@@ -120,8 +124,9 @@ def run_node(
     from hetero_node.client.roles.stage_peer import StagePeer
 
     swarm_key = load_swarm_key(node.swarm_key)
+    identity = node.identity or (node.checkpoint_dir / IDENTITY_NAME if node.checkpoint_dir is not None else None)
     runtime = reachable_runtime(
-        lambda relays: PeerRuntime(node.peers, node.host, node.port, node.identity, swarm_key=swarm_key, relays=relays),
+        lambda relays: PeerRuntime(node.peers, node.host, node.port, identity, swarm_key=swarm_key, relays=relays),
         node.reachability,
         node.peers,
     )
