@@ -1,5 +1,6 @@
-"""`hetero-node bench-plan`: the cost model's weak scaling from 10 to 1,000 volunteers, for today's protocol and
-two changes to it, with the planner choosing roles, virtual replicas, rank and H at every size.
+"""`hetero-node bench-plan`: the cost model's weak scaling from 10 to 1,000 volunteers, for today's protocol, the
+one before it (later stages fetching T_fixed whole) and the flat exchange, with the planner choosing roles,
+virtual replicas, rank and H at every size.
 
 A swarm of n is the first n nodes of the swarm file's nodes in a fixed shuffle (seed 0), so every size has the
 file's mix. Weak scaling = the swarm's predicted tokens/s over the sum of each node's solo full-model tokens/s (a
@@ -26,11 +27,12 @@ from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseL
 
 PLOT = "weak_scaling.png"
 DESIGNS = {
-    "today": ("all-to-all", "dense"),
-    "sparse T_fixed upkeep": ("all-to-all", "sparse"),
-    "butterfly + sparse T_fixed": ("butterfly", "sparse"),
+    "dense T_fixed (before)": ("all-to-all", "dense"),
+    "today": ("all-to-all", "changes"),
+    "butterfly": ("butterfly", "changes"),
 }
-"""design → (exchange, T_fixed upkeep): today's protocol, then the two changes issue 14 weighs."""
+"""design → (exchange, T_fixed upkeep): the protocol before T_fixed followed E_S's changes, today's, and today's
+with the flat exchange issue 14 asks for (modelled)."""
 
 
 def run_plan_scaling(cfg: PlanScalingConfig, progress: Progress | None = None) -> dict[str, Any]:

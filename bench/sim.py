@@ -26,13 +26,13 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import SUBSPACE_METHODS, SimConfig
 from hetero_node.bench.sim_replicas import DEVICE, SimFullReplica, SimReplica, SimVirtualReplica, global_model
-from hetero_node.client.outer.shard_state import FIXED, state_fingerprint
+from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.replica import STEP_STRIDE
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, val_batches
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
-from hetero_node.models.subspace import drift_transfer_, subspace_basis
+from hetero_node.models.subspace import drift_transfer_, embedding_change, subspace_basis
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
@@ -114,12 +114,12 @@ def messages_moved(method: str, replicas: int, inner_steps: int) -> float:
     return replicas - 1
 
 
-def table_bytes(run: RunConfig) -> int:
-    """T_fixed (fp32) every stage after the first of a virtual replica downloads after each outer step."""
+def table_upkeep_bytes(run: RunConfig, changed_entries: int) -> int:
+    """What every stage after the first of a virtual replica downloads after each outer step to keep T_fixed: the
+    entries of E_S the step changed, an int32 position and an fp32 value each (`ShardStates.fetch_change`)."""
     if not (run.uses_subspace and run.pipeline.drift_transfer):
         return 0
-    cfg = get_preset(run.preset, vocab_size=run.vocab_size)
-    return (run.outer.stages - 1) * cfg.vocab_size * cfg.d_model * 4
+    return (run.outer.stages - 1) * changed_entries * 8
 
 
 # -------------------------------------------------------------------------------------------- the rounds
@@ -153,6 +153,8 @@ class OuterSwarm:
         self.basis = subspace_basis(cfg.d_model, run.pipeline.rank(cfg.d_model), run.seed) if run.uses_subspace \
             else None  # fmt: skip
         self.evaluator = InnerTrainer(self.model, run.optim, run.total_inner_steps, DEVICE)
+        self.changed_entries = 0
+        """Entries of E_S the last outer step changed (what later stages download to keep T_fixed)."""
 
     def theta(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
@@ -166,6 +168,7 @@ class OuterSwarm:
         """θ(t+1) from every replica's encoded messages; returns each replica's message bytes."""
         weight = float(self.run.outer.inner_steps * self.run.batch_size * self.run.seq_len)
         deltas = [r.shard_deltas() for r in replicas]
+        before = self.model.embed.weight.detach().clone()
         sizes = [0] * len(replicas)
         for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
             messages = []
@@ -178,15 +181,18 @@ class OuterSwarm:
             for p, value in zip(start, judge.update([p.detach().clone() for p in start], combined), strict=True):
                 p.copy_(value)
         if self.basis is not None and self.run.pipeline.drift_transfer:
+            self.changed_entries = len(embedding_change(before, self.model.embed.weight)[0])
             drift_transfer_(self.model, self.basis)
         return sizes
 
     def fingerprints(self) -> dict[str, str]:
-        """What a node's round record holds: each shard's θ(t+1) with T_fixed, and T_fixed."""
+        """What a node's round record holds: each shard's θ(t+1) with T_fixed, and the tables T_fixed and E_S."""
         fixed = self.fixed
         fps = {str(s): state_fingerprint(shard_tensors(self.model, names), fixed)
                for s, names in enumerate(self.shard_names)}  # fmt: skip
-        return fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
+        if fixed is None:
+            return fps
+        return {**fps, FIXED: fingerprint([fixed]), EMBED: fingerprint([self.model.embed.weight])}
 
 
 def simulate(
@@ -211,7 +217,7 @@ def simulate(
         sizes = swarm.step(replicas, names)
         outer = messages_moved(run.outer.outer, R, H) * sum(sizes) / R
         boundary = sum(r.boundary_bytes for r in replicas) / R
-        table = table_bytes(run) * layout.count(VIRTUAL) / R
+        table = table_upkeep_bytes(run, swarm.changed_entries) * layout.count(VIRTUAL) / R
         sent += outer + boundary + table
         point = RoundPoint(t, (t + 1) * R * tokens_per_round, sent, swarm.evaluator.evaluate(held_out),
                            swarm.fingerprints(), {"outer": outer, "boundary": boundary, "table": table})  # fmt: skip

@@ -20,9 +20,10 @@ Per-round upkeep, each step its own function so a caller can switch it off (desi
 * `drift_transfer_` / `drift_transfer_fixed_` — after an outer step E_S has left span(U); D = E_S − E_S P moves
   into T_fixed (T_fixed += D, E_S ← E_S P), which leaves T_fixed + E_S, hence the model, unchanged. Stage 0
   (or a full replica) holds E_S and calls `drift_transfer_`; every other stage calls `drift_transfer_fixed_` with
-  the same global E_S (the aggregated `embed.weight` after the outer step, before its projection), which it must
-  therefore receive every round. Both compute D on the CPU in float64 from the same inputs, so every peer's
-  T_fixed stays identical.
+  the same global E_S (the aggregated `embed.weight` after the outer step, before its projection). It keeps its
+  own copy of E_S and receives only the entries the outer step changed (`embedding_change`, a few percent of the
+  table under SparseLoCo), not the table. Both compute D on the CPU in float64 from the same inputs, so every
+  peer's T_fixed stays identical.
 
 Gradients: the pipelined gradient (backward through Uᵀ g at each boundary) equals the full model's gradient for
 every unconstrained parameter, and its projection (P g for output projections, g P for E_S) for the constrained
@@ -116,8 +117,9 @@ def _set_fixed(module: Transformer, table: Tensor) -> None:
 
 
 @torch.no_grad()
-def enable_subspace(module: Transformer, U: Tensor, embedding: Tensor | None = None) -> None:
-    """Give `module` the fixed table T_fixed = E − E U Uᵀ and, if it holds `embed`, set E_S = E U Uᵀ.
+def enable_subspace(module: Transformer, U: Tensor, embedding: Tensor | None = None) -> Tensor:
+    """Give `module` the fixed table T_fixed = E − E U Uᵀ and, if it holds `embed`, set E_S = E U Uᵀ; returns E_S
+    (fp32, CPU), which a stage without `embed` keeps to follow T_fixed's upkeep.
 
     E is the module's own `embed.weight`; a stage without `embed` must be given it (`initial_embedding` at round
     0). The model's function is unchanged. To load a checkpointed T_fixed, enable first, then `load_state_dict`.
@@ -132,8 +134,10 @@ def enable_subspace(module: Transformer, U: Tensor, embedding: Tensor | None = N
         raise ConfigError(f"embedding of shape {tuple(source.shape)} does not fit the model config")
     outside, inside = _drift(source, U)
     _set_fixed(module, outside)
+    inside = inside.to(torch.float32)
     if module.embed is not None:
         module.embed.weight.copy_(inside)
+    return inside
 
 
 @torch.no_grad()
@@ -142,14 +146,15 @@ def drift_transfer_(module: Transformer, U: Tensor) -> None:
     _check_basis(module, U)
     if module.embed is None or module.embed_fixed is None:
         raise ConfigError("drift transfer needs a module with embed and an enabled fixed table")
-    outside, inside = _drift(module.embed.weight, U)
-    _set_fixed(module, module.embed_fixed.to("cpu", torch.float64) + outside)
+    fixed, inside = transferred_table(module.embed_fixed, U, module.embed.weight)
+    _set_fixed(module, fixed)
     module.embed.weight.copy_(inside)
 
 
 @torch.no_grad()
-def drift_transfer_fixed_(module: Transformer, U: Tensor, embedding: Tensor) -> None:
-    """T_fixed += E_S − E_S U Uᵀ on a stage holding only T_fixed, given the global E_S stage 0 transfers from.
+def drift_transfer_fixed_(module: Transformer, U: Tensor, embedding: Tensor) -> Tensor:
+    """T_fixed += E_S − E_S U Uᵀ on a stage holding only T_fixed, given the global E_S stage 0 transfers from;
+    returns E_S U Uᵀ, stage 0's E_S after its own transfer (what the next round's change applies to).
 
     `embedding` is the aggregated `embed.weight` after the outer step, before stage 0's `drift_transfer_`
     projects it; the result then equals stage 0's T_fixed bit for bit.
@@ -159,5 +164,42 @@ def drift_transfer_fixed_(module: Transformer, U: Tensor, embedding: Tensor) -> 
         raise ConfigError("drift_transfer_fixed_ is for a module with a fixed table and no embed of its own")
     if embedding.shape != module.embed_fixed.shape:
         raise ConfigError(f"embedding of shape {tuple(embedding.shape)} does not fit the fixed table")
-    outside, _ = _drift(embedding, U)
-    _set_fixed(module, module.embed_fixed.to("cpu", torch.float64) + outside)
+    fixed, inside = transferred_table(module.embed_fixed, U, embedding)
+    _set_fixed(module, fixed)
+    return inside
+
+
+@torch.no_grad()
+def transferred_table(fixed: Tensor, U: Tensor, embedding: Tensor) -> tuple[Tensor, Tensor]:
+    """(T_fixed + E − E U Uᵀ, E U Uᵀ) as fp32 CPU tensors, without touching a module: what `drift_transfer_`
+    leaves in a module holding T_fixed = `fixed` and E_S = `embedding`, bit for bit."""
+    outside, inside = _drift(embedding, U)
+    return (fixed.to("cpu", torch.float64) + outside).to(torch.float32), inside.to(torch.float32)
+
+
+def embedding_change(before: Tensor, after: Tensor) -> tuple[Tensor, Tensor]:
+    """The entries an outer step changed in E_S, bit for bit: (flat int32 positions, fp32 values after). SparseLoCo's
+    aggregate touches a few percent of them, so later stages follow E_S (and so T_fixed) from this, not the table.
+    When more than half changed, positions are empty and values hold the whole table: never more than the table."""
+    if before.numel() > torch.iinfo(torch.int32).max:
+        raise ConfigError(f"an embedding of {before.numel():,} entries is beyond int32 positions")
+    flat_before, flat_after = before.detach().cpu().reshape(-1), after.detach().cpu().reshape(-1)
+    positions = (flat_before.view(torch.int32) != flat_after.view(torch.int32)).nonzero().reshape(-1)
+    if 2 * len(positions) > len(flat_after):
+        return torch.zeros(0, dtype=torch.int32), flat_after.clone()
+    return positions.to(torch.int32), flat_after[positions].clone()
+
+
+def apply_embedding_change(embedding: Tensor, positions: Tensor, values: Tensor) -> Tensor:
+    """A copy of `embedding` with `embedding_change`'s entries written in; `ValueError` if they do not fit it."""
+    if positions.dtype != torch.int32 or values.dtype != torch.float32 or positions.dim() != 1 or values.dim() != 1:
+        raise ValueError("an embedding change is int32 positions and fp32 values")
+    if len(positions) == 0 and len(values) == embedding.numel():  # the whole table
+        return values.reshape(embedding.shape).clone()
+    if positions.shape != values.shape:
+        raise ValueError(f"an embedding change of {len(positions)} positions and {len(values)} values")
+    if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= embedding.numel()):
+        raise ValueError(f"an embedding change addresses entries outside the {tuple(embedding.shape)} table")
+    changed = embedding.detach().cpu().clone()
+    changed.view(-1)[positions.long()] = values
+    return changed

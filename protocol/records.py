@@ -40,6 +40,7 @@ MAX_GPUS = 64
 MAX_MEMORY_GB = 100_000.0
 MAX_MBPS = 1_000_000.0
 MAX_SHARDS = 1024
+FingerprintKey = constr(strict=True, regex=r"^(\d{1,4}|fixed|embed)$")
 
 
 class GpuInfo(pydantic.BaseModel):
@@ -90,7 +91,8 @@ class PeerRecord(pydantic.BaseModel):
     step_s: confloat(strict=True, ge=0, le=1e5)  # type: ignore[valid-type]
     """Seconds this replica takes per inner step, as last measured (0: unknown); sets the round length."""
     loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
-    fingerprints: dict[constr(strict=True, regex=r"^(\d{1,4}|fixed)$"), constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
+    fingerprints: dict[FingerprintKey, constr(strict=True, regex=r"^[0-9a-f]{8,64}$")]  # type: ignore[valid-type]
+    """Per held shard (its number), and in a subspace run the tables T_fixed ("fixed") and E_S ("embed")."""
     view: constr(strict=True, max_length=32)  # type: ignore[valid-type]
     last_round: RoundSummary | None
     """None until this peer has finished a round."""

@@ -17,14 +17,17 @@ from hetero_node.models.config import get_preset
 from hetero_node.models.stages import StageModule, split_model
 from hetero_node.models.subspace import (
     EMBED,
+    apply_embedding_change,
     constrained_parameter_names,
     default_rank,
     drift_transfer_,
     drift_transfer_fixed_,
+    embedding_change,
     enable_subspace,
     initial_embedding,
     project_,
     subspace_basis,
+    transferred_table,
 )
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.boundary_codec import (
@@ -188,6 +191,38 @@ def test_drift_transfer_preserves_function_and_syncs_later_stages() -> None:
         drift_transfer_fixed_(model, U, global_embedding)  # stage 0 must also project E_S: drift_transfer_
     with pytest.raises(ConfigError):
         drift_transfer_(stage, U)
+
+
+def test_later_stages_follow_the_tables_from_the_entries_each_outer_step_changes() -> None:
+    """A later stage that starts from the seed's E_S and, each round, gets only the entries a sparse outer step
+    changed holds stage 0's T_fixed and E_S bit for bit after every drift transfer."""
+    model, U = subspace_model(16, 2, project=False)  # θ(0) as stage 0 holds it (it projects only its start)
+    stage = split_model(model, 2)[1]
+    seeded = StageModule(CFG, 1, 2, seed=SEED)  # stage 1 derives T_fixed and E_S from the seed
+    embedding = enable_subspace(seeded, U, initial_embedding(CFG, SEED))
+    assert torch.equal(seeded.embed_fixed, model.embed_fixed)
+    assert torch.equal(embedding, model.embed.weight)
+    generator = torch.Generator().manual_seed(2)
+    touched = []
+    for _ in range(3):
+        before = model.embed.weight.detach().clone()
+        with torch.no_grad():  # a sparse aggregate: 2% of the entries move
+            mask = torch.rand(before.shape, generator=generator) < 0.02
+            model.embed.weight.sub_(0.1 * mask * torch.randn(before.shape, generator=generator))
+        change = embedding_change(before, model.embed.weight)
+        touched.append(len(change[0]) / before.numel())
+        drift_transfer_(model, U)
+        fixed, embedding = transferred_table(stage.embed_fixed, U, apply_embedding_change(embedding, *change))
+        stage.embed_fixed = fixed
+        assert torch.equal(fixed, model.embed_fixed) and torch.equal(embedding, model.embed.weight)
+    assert all(0 < t < 0.03 for t in touched)  # the change is the step's entries, not the whole table
+    dense = embedding_change(embedding, embedding + 1)  # a dense step: the whole table, never more
+    assert len(dense[0]) == 0 and torch.equal(apply_embedding_change(embedding, *dense), embedding + 1)
+    positions, values = change
+    for bad in ((positions.long(), values), (positions, values.double()), (positions[:-1], values),
+                (positions + before.numel(), values)):  # fmt: skip
+        with pytest.raises(ValueError):
+            apply_embedding_change(embedding, *bad)
 
 
 def fmt_for(rank: int | None, wire: str) -> BoundaryFormat:

@@ -45,9 +45,14 @@ def start_swarm(swarm: LocalSwarm, workdir: Path, rounds: int, inner_steps: int,
 
 
 def assert_shards_agree(full: dict[str, Any], stage0: dict[str, Any], stage1: dict[str, Any], round_: int) -> None:
+    """Shards and both tables agree; stage 1 advertises E_S only while it holds a current copy (not in the round
+    it loaded a state or resumed a checkpoint)."""
     fps = full["fingerprints"]
-    assert stage0["fingerprints"] == {"0": fps["0"], "fixed": fps["fixed"]}, f"shard 0 disagrees after {round_}"
-    assert stage1["fingerprints"] == {"1": fps["1"], "fixed": fps["fixed"]}, f"shard 1 disagrees after {round_}"
+    tables = {"fixed": fps["fixed"], "embed": fps["embed"]}
+    assert stage0["fingerprints"] == {"0": fps["0"], **tables}, f"shard 0 disagrees after {round_}"
+    assert stage1["fingerprints"] in ({"1": fps["1"], **tables}, {"1": fps["1"], "fixed": fps["fixed"]}), (
+        f"shard 1 disagrees after {round_}"
+    )
 
 
 def test_full_and_virtual_replica_agree_learn_and_send_the_codecs_bytes(tmp_path: Path) -> None:
@@ -56,10 +61,14 @@ def test_full_and_virtual_replica_agree_learn_and_send_the_codecs_bytes(tmp_path
         assert_all_exit_cleanly(swarm, ["r0", "s0", "s1"])
     full, s0, s1 = (rounds_of(tmp_path, i) for i in (FULL, STAGE0, STAGE1))
     assert set(full) == set(s0) == set(s1) == {0, 1, 2}
+    dense_table = 256 * 128 * 4  # tiny's vocab × d_model, fp32
     for t in range(3):
         assert_shards_agree(full[t], s0[t], s1[t], t)
         assert full[t]["group_size"] == s0[t]["group_size"] == s1[t]["group_size"] == 2, "the VR counts as one"
         assert not s0[t]["resynced"] and not s1[t]["resynced"]
+        # stage 1 followed T_fixed from the entries of E_S each step changed, never fetching the table
+        assert s1[t]["fingerprints"]["embed"] == full[t]["fingerprints"]["embed"]
+        assert 0 < s1[t]["table_bytes_received"] < dense_table / 8, f"round {t}: {s1[t]['table_bytes_received']}"
     # the loss of a round's own batches is noise-sized at this length; the held-out eval is the learning signal
     assert all(math.isfinite(s1[t]["train_loss"]) for t in range(3)), "the last stage computes the loss"
     assert s0[0]["train_loss"] is None, "stage 0 has no loss; the last stage computes it"

@@ -157,7 +157,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         for r in p["rounds"]
         if r["eval_loss"] is not None
     )
-    by_round: dict[int, dict[str, set[str]]] = {}  # round → shard (or "fixed") → fingerprints peers hold
+    by_round: dict[int, dict[str, set[str]]] = {}  # round → shard (or a table) → fingerprints peers hold
     for r in rounds:
         for key, value in r["fingerprints"].items():
             by_round.setdefault(r["round"], {}).setdefault(key, set()).add(value)

@@ -38,8 +38,8 @@ class PlanConfig:
         metadata={"help": f"Outer exchange to model: {', '.join(EXCHANGES)} (today's swarm runs all-to-all)."},
     )
     table_upkeep: str = field(
-        default="dense",
-        metadata={"help": f"How later stages keep T_fixed current: {', '.join(TABLE_UPKEEPS)} (today: dense)."},
+        default="changes",
+        metadata={"help": f"How later stages keep T_fixed current: {', '.join(TABLE_UPKEEPS)} (today: changes)."},
     )
     h_choices: str = field(
         default=",".join(map(str, H_CHOICES)), metadata={"help": "H values the planner may choose from."}

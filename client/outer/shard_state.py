@@ -5,8 +5,12 @@ A peer serves, per shard it holds, the blob `state` (its round, the shard's tens
 the run's method, e.g. DiLoCo's momentum, and, in a subspace run, the fixed token table T_fixed) and advertises
 the state's fingerprint in its record. In a subspace run T_fixed belongs to every shard's state and fingerprint:
 it changes every round (drift transfer) and every peer must hold the same bits, so a group's start-fingerprint
-check also proves T_fixed agrees. Stages without the embedding need only T_fixed each round: it is served alone
-as the blob `fixed`, advertised under the fingerprint key "fixed".
+check also proves T_fixed agrees. Stages without the embedding need only T_fixed each round. They keep a copy of
+E_S (the learned embedding) and rebuild T_fixed(t+1) themselves from the entries of E_S the round's outer step
+changed, served as the blob `embed-change` (a few percent of the table under SparseLoCo), checking the result
+against the fingerprints the swarm vouches for. A stage without a current copy (a joiner, a re-sync, a change that
+did not reproduce the fingerprints) fetches the whole tables once: the blobs `fixed` and `embed`, advertised under
+the fingerprint keys "fixed" and "embed".
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 FIXED = "fixed"
 """Blob kind and fingerprint key of the fixed token table."""
+EMBED = "embed"
+"""Blob kind and fingerprint key of the learned embedding E_S (after the round's drift transfer)."""
+EMBED_CHANGE = "embed-change"
+"""Blob kind of the entries of E_S a round's outer step changed (`models.subspace.embedding_change`)."""
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:
@@ -83,6 +91,8 @@ class ShardStates:
     ) -> None:
         self.runtime, self.shapes, self.fixed_shape = runtime, shapes, fixed_shape
         self.fetch_timeout_s, self.download_mbps = fetch_timeout_s, download_mbps
+        self.table_bytes = 0
+        """Bytes of tables and embedding changes downloaded so far (a stage's per-round upkeep)."""
 
     def publish(
         self,
@@ -90,13 +100,22 @@ class ShardStates:
         tensors: dict[int, list[Tensor]],
         fixed: Tensor | None,
         shared: dict[int, list[Tensor] | None] | None = None,
+        embedding: Tensor | None = None,
+        change: tuple[Tensor, Tensor] | None = None,
     ) -> None:
-        """Serve round `round_`'s state of every shard in `tensors` (`shared`: the method's shared outer state).
+        """Serve round `round_`'s state of every shard in `tensors` (`shared`: the method's shared outer state),
+        and in a subspace run the tables: T_fixed, E_S (`embedding`) and the change that made E_S(round_).
 
         Serialized only when a peer asks: `tensors` must not change afterwards (the caller replaces its start
-        point each round rather than writing into it); the fixed table and shared state, which do change in
-        place, are copied here."""
+        point each round rather than writing into it); the tables and shared state, which do change in place,
+        are copied here."""
         fixed = None if fixed is None else fixed.detach().cpu().clone()
+        if embedding is not None:
+            table = {"round": round_, EMBED: embedding.detach().cpu().clone()}
+            self.runtime.publish(EMBED, 0, round_, functools.partial(to_bytes, table))
+        if change is not None:
+            positions, values = change
+            self.runtime.publish(EMBED_CHANGE, 0, round_, to_bytes({"positions": positions, "values": values}))
         for shard, shard_tensors in tensors.items():
             state: dict[str, Any] = {"round": round_, "tensors": [t.detach().cpu() for t in shard_tensors]}
             if fixed is not None:
@@ -187,20 +206,41 @@ class ShardStates:
             return None
         return states, size
 
-    def fetch_fixed(self, donor: str, record: PeerRecord, round_: int) -> Tensor | None:
-        """T_fixed of `round_` from `donor`, checked against the fingerprint it advertises; None on any failure."""
+    def fetch_table(self, donor: str, record: PeerRecord, round_: int, kind: str = FIXED) -> Tensor | None:
+        """T_fixed (`kind` FIXED) or E_S (EMBED) of `round_` from `donor`, checked against the fingerprint it
+        advertises under `kind`; None on any failure."""
         from hivemind.p2p import PeerID
 
         limit = _max_size([self.fixed_shape])
         timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
         try:
-            served, data = self.runtime.fetch(PeerID.from_base58(donor), FIXED, 0, round_, limit, timeout)
-            fixed = from_bytes(data)[FIXED]
-            if served != round_ or tuple(fixed.shape) != self.fixed_shape or fixed.dtype != torch.float32:
-                raise PayloadError(f"fixed table of round {served} with shape {tuple(fixed.shape)}")
-            if fingerprint([fixed]) != record.fingerprints.get(FIXED):
-                raise PayloadError(f"fixed table does not match the fingerprint {donor} advertised")
+            served, data = self.runtime.fetch(PeerID.from_base58(donor), kind, 0, round_, limit, timeout)
+            self.table_bytes += len(data)
+            table = from_bytes(data)[kind]
+            if served != round_ or tuple(table.shape) != self.fixed_shape or table.dtype != torch.float32:
+                raise PayloadError(f"{kind} table of round {served} with shape {tuple(table.shape)}")
+            if fingerprint([table]) != record.fingerprints.get(kind):
+                raise PayloadError(f"{kind} table does not match the fingerprint {donor} advertised")
         except Exception as e:  # a bad donor is skipped, never trusted
-            logger.warning("could not load the fixed table of round %d from %s: %r", round_, donor, e)
+            logger.warning("could not load the %s table of round %d from %s: %r", kind, round_, donor, e)
             return None
-        return fixed
+        return table
+
+    def fetch_change(self, donor: str, round_: int) -> tuple[Tensor, Tensor] | None:
+        """The entries of E_S that round `round_ - 1`'s outer step changed, as `donor` serves them; None on any
+        failure. Only shapes and types are checked here: the caller checks what they rebuild."""
+        from hivemind.p2p import PeerID
+
+        limit = _max_size([self.fixed_shape])  # room for every entry: an int32 position and an fp32 value each
+        timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
+        try:
+            _, data = self.runtime.fetch(PeerID.from_base58(donor), EMBED_CHANGE, 0, round_, limit, timeout)
+            self.table_bytes += len(data)
+            change = from_bytes(data)
+            positions, values = change.get("positions"), change.get("values")
+            if not (isinstance(positions, Tensor) and _finite_fp32(values)):
+                raise PayloadError("an embedding change is int32 positions and finite fp32 values")
+        except Exception as e:  # a bad donor is skipped, never trusted
+            logger.warning("could not load round %d's embedding change from %s: %r", round_, donor, e)
+            return None
+        return positions, values

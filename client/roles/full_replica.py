@@ -25,7 +25,7 @@ from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import shard_parameter_names, shard_tensors
-from hetero_node.models.subspace import drift_transfer_, enable_subspace, subspace_basis
+from hetero_node.models.subspace import enable_subspace, subspace_basis
 from hetero_node.models.trainer import InnerTrainer, resolve_device
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.records import PeerRecord
@@ -74,6 +74,10 @@ class FullReplica(Replica):
     @property
     def fixed_table(self) -> Tensor | None:
         return self.model.embed_fixed
+
+    @property
+    def embedding(self) -> Tensor | None:
+        return None if self.basis is None else self.model.embed.weight
 
     @property
     def module(self) -> torch.nn.Module:
@@ -133,7 +137,7 @@ class FullReplica(Replica):
     def upkeep(self, new_round: int) -> bool:
         """After our own outer step: move the embedding's drift into T_fixed, as every peer of the run does."""
         if self.basis is not None and self.run_cfg.pipeline.drift_transfer:
-            drift_transfer_(self.model, self.basis.to(self.device))
+            self.transfer_drift(self.model, self.basis.to(self.device))
         return True
 
     def evaluate(self, round_: int, trained: bool) -> float | None:

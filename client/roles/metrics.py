@@ -44,6 +44,9 @@ class RoundRecord:
     boundary_bytes_received: int = 0
     boundary_tokens: int = 0
     """Tokens carried by the training messages this stage sent."""
+    table_bytes_received: int = 0
+    """Stages without the embedding: bytes downloaded to keep T_fixed current (E_S's changed entries each round,
+    or both tables whole when it had no current copy of E_S)."""
     contributed: bool = False
     """Its message is part of the aggregate of a group of at least two (every shard it holds)."""
     sat_out: bool = False

@@ -53,10 +53,15 @@ class PipelineStage:
         self.module = StageModule(cfg, stage, n_stages, seed=run.seed).to(device)
         self.fmt = boundary_format(run)
         self.basis: Tensor | None = None
+        self.embedding: Tensor | None = None
+        """A later stage's copy of E_S (CPU, fp32): the stage peer's upkeep follows it to rebuild T_fixed; None
+        when unknown (after a checkpoint or a loaded state, until the next upkeep fetches it)."""
         self.constrained: list[str] = []
         if run.uses_subspace:
             self.basis = subspace_basis(cfg.d_model, self.fmt.width, run.seed).to(device)
-            enable_subspace(self.module, self.basis, None if self.first else initial_embedding(cfg, run.seed))
+            initial = None if self.first else initial_embedding(cfg, run.seed)
+            embedding = enable_subspace(self.module, self.basis, initial)
+            self.embedding = None if self.first else embedding
             self.constrained = constrained_parameter_names(cfg, n_stages)
         self.trainer = InnerTrainer(self.module, run.optim, run.total_inner_steps, device)
         self.clip = run.optim.grad_clip / math.sqrt(n_stages)

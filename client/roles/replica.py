@@ -34,7 +34,7 @@ from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
-from hetero_node.client.outer.shard_state import FIXED, ShardStates, state_fingerprint
+from hetero_node.client.outer.shard_state import EMBED, FIXED, ShardStates, state_fingerprint
 from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
 from hetero_node.client.roles.checkpoint import load_checkpoint, save_checkpoint
 from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
@@ -43,6 +43,7 @@ from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.runtime import KEPT_ROUNDS, PeerRuntime
 from hetero_node.models.shards import fingerprint
+from hetero_node.models.subspace import drift_transfer_, embedding_change
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.protocol.errors import CheckpointError, DaemonError, PayloadError
 from hetero_node.protocol.records import PeerRecord
@@ -143,6 +144,8 @@ class Replica(ABC):
         self.syncs: dict[int, ShardSync] = {}
         self.start: dict[int, list[Tensor]] = {}
         self._fingerprints: dict[str, str] = {}
+        self.embed_change: tuple[Tensor, Tensor] | None = None
+        """The entries of E_S the last outer step changed (subspace runs), served to later stages."""
         self.in_flight: InFlight | None = None
         self.on_round: Callable[[RoundRecord], None] | None = None
         self._served_mark = 0
@@ -154,6 +157,11 @@ class Replica(ABC):
     @abstractmethod
     def fixed_table(self) -> Tensor | None:
         """T_fixed in a subspace run (part of every shard's state and fingerprint), else None."""
+
+    @property
+    def embedding(self) -> Tensor | None:
+        """E_S, the learned embedding, where this peer holds it or a copy (subspace runs); else None."""
+        return None
 
     @abstractmethod
     def train(self, plan: RoundPlan) -> Trained | None:
@@ -193,6 +201,15 @@ class Replica(ABC):
     def deltas(self, shard: int) -> list[Tensor]:
         """Δ = θ(t) − θ_local of a shard (a virtual replica measures it from its projected start)."""
         return [s - p.detach() for s, p in zip(self.start[shard], self.params[shard], strict=True)]
+
+    @torch.no_grad()
+    def transfer_drift(self, module: torch.nn.Module, basis: Tensor) -> None:
+        """Upkeep on a peer holding E_S (stage 0, a full replica): note which entries of E_S the outer step changed
+        since θ(t), served to later stages so they rebuild T_fixed(t+1) without the table, then move the drift."""
+        weight = module.embed.weight
+        before = next(s for s, p in zip(self.start[0], self.params[0], strict=True) if p is weight)
+        self.embed_change = embedding_change(before, weight)
+        drift_transfer_(module, basis)
 
     def round_extras(self) -> dict[str, Any]:
         """Role-specific fields of the round's metrics (pipeline boundary bytes)."""
@@ -356,12 +373,13 @@ class Replica(ABC):
         """θ(t) := the live parameters (after an outer step, a state load or a checkpoint), and its fingerprints,
         computed once here (hashing the model is not free on a slow machine)."""
         self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
-        fixed = self.fixed_table
+        fixed, embedding = self.fixed_table, self.embedding
         fps = {str(s): state_fingerprint(tensors, fixed) for s, tensors in self.start.items()}
-        self._fingerprints = fps if fixed is None else {**fps, FIXED: fingerprint([fixed])}
+        tables = {} if fixed is None else {FIXED: fingerprint([fixed])}
+        self._fingerprints = {**fps, **tables, **({} if embedding is None else {EMBED: fingerprint([embedding])})}
 
     def fingerprints(self) -> dict[str, str]:
-        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), and T_fixed."""
+        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), T_fixed and E_S."""
         return self._fingerprints
 
     def announce(self, **fields: Any) -> None:
@@ -371,7 +389,7 @@ class Replica(ABC):
     def publish_state(self) -> None:
         """Serve θ(t) of every held shard (and the method's shared state) to joiners and re-syncing peers."""
         shared = {s: sync.method.shared_state() for s, sync in self.syncs.items()}
-        self.states.publish(self.round, self.start, self.fixed_table, shared)
+        self.states.publish(self.round, self.start, self.fixed_table, shared, self.embedding, self.embed_change)
 
     @torch.no_grad()
     def set_params(self, shard: int, tensors: list[Tensor]) -> None:

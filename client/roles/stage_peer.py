@@ -11,8 +11,10 @@ What is particular to it (the round loop itself is `replica.py`, the GPipe sched
 3. Inner steps: stage 0 drives until the round's deadline and ends the round with the step count; the others
    serve until that END. A stage that hears nothing for `stage_timeout_s`, sees a neighbour's record vanish, or
    has a message refused gives up the round (a clear log line, never a hang) and receives the round's result.
-4. Upkeep after the outer step: stage 0 moves the embedding's drift into T_fixed; later stages load T_fixed(t+1)
-   from a peer that has it, checked against its advertised fingerprint. Then the eval pass.
+4. Upkeep after the outer step: stage 0 moves the embedding's drift into T_fixed; later stages do the same on
+   their copy of E_S, updated with the entries the step changed that a peer serves (or fetch both tables whole
+   when they have no current copy), checked against the fingerprints the round's peers vouch for. Then the eval
+   pass.
 
 Stage peers do not overlap rounds (`--overlap` is for full replicas): the boundary codec needs every stage of a
 VR to hold the same T_fixed at every step, which an outer step landing between two steps would break.
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.outer.shard_state import FIXED
+from hetero_node.client.outer.shard_state import EMBED, FIXED
 from hetero_node.client.roles.full_replica import replica_number
 from hetero_node.client.roles.pipeline_schedule import PipelineAborted, PipelineSchedule
 from hetero_node.client.roles.pipeline_stage import PipelineStage
@@ -42,8 +44,8 @@ from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
-from hetero_node.models.shards import shard_parameter_names, shard_tensors
-from hetero_node.models.subspace import drift_transfer_
+from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
+from hetero_node.models.subspace import apply_embedding_change, transferred_table
 from hetero_node.models.trainer import InnerTrainer, resolve_device
 from hetero_node.protocol.keys import stage_handler_name
 from hetero_node.protocol.records import PeerRecord
@@ -82,6 +84,7 @@ class StagePeer(Replica):
             run.outer.stages, sizes, run.seq_len, timeouts.stage_timeout_s, self.stop.is_set,
         )  # fmt: skip
         self.train_start: list[Tensor] = []
+        self._table_bytes_seen = 0
         if self.stage.first:
             self.replica_id = replica_number(node, runtime)
             self.batches = ShardBatches(
@@ -92,6 +95,12 @@ class StagePeer(Replica):
     @property
     def fixed_table(self) -> Tensor | None:
         return self.stage.fixed_table
+
+    @property
+    def embedding(self) -> Tensor | None:
+        if self.stage.basis is None:
+            return None
+        return self.stage.module.embed.weight if self.stage.first else self.stage.embedding
 
     @property
     def module(self) -> torch.nn.Module:
@@ -118,7 +127,9 @@ class StagePeer(Replica):
 
     def round_extras(self) -> dict[str, Any]:
         b = self.schedule.boundary
-        return {"boundary_bytes_sent": b.sent, "boundary_bytes_received": b.received, "boundary_tokens": b.tokens}
+        table_bytes, self._table_bytes_seen = self.states.table_bytes - self._table_bytes_seen, self.states.table_bytes
+        return {"boundary_bytes_sent": b.sent, "boundary_bytes_received": b.received, "boundary_tokens": b.tokens,
+                "table_bytes_received": table_bytes}  # fmt: skip
 
     # ---------------------------------------------------------------------------------------------- lifecycle
 
@@ -235,28 +246,29 @@ class StagePeer(Replica):
     # ------------------------------------------------------------------------------------------ upkeep & eval
 
     def upkeep(self, new_round: int) -> bool:
-        """Drift transfer after the outer step: stage 0 computes it, later stages load the resulting T_fixed."""
+        """Drift transfer after the outer step: stage 0 computes it; later stages rebuild T_fixed(t+1) from the
+        entries of E_S the step changed (or, without a current copy of E_S, fetch both tables), checked against
+        the fingerprints most peers of the round advertise."""
         if self.stage.basis is None or not self.run_cfg.pipeline.drift_transfer:
             return True
         if self.stage.first:
-            drift_transfer_(self.stage.module, self.stage.basis)
+            self.transfer_drift(self.stage.module, self.stage.basis)
             return True
         deadline = time.monotonic() + self.timeouts.round_timeout_s
         failed: set[str] = set()
         while not self.stop.is_set() and time.monotonic() < deadline:
             records = self.records()
             mate = self.schedule.neighbours.get(0)
+            vouched = {kind: view.vouched_fingerprint(records, new_round, kind, self.me) for kind in (FIXED, EMBED)}
             # our own stage 0 first, then anyone holding the table that most peers of its round hold
             donors = sorted(
                 (pid != mate, pid)
                 for pid, r in records.items()
                 if r.round == new_round and FIXED in r.fingerprints and pid not in failed
-                and r.fingerprints[FIXED] == view.vouched_fingerprint(records, r.round, FIXED, self.me)
+                and r.fingerprints[FIXED] == vouched[FIXED]
             )  # fmt: skip
             for _, pid in donors:
-                fixed = self.states.fetch_fixed(pid, records[pid], new_round)
-                if fixed is not None:
-                    self.stage.fixed_table.copy_(fixed)
+                if self.follow_embedding(pid, new_round, vouched) or self.fetch_tables(pid, records[pid], new_round):
                     return True
                 if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
                     failed.add(pid)
@@ -265,6 +277,51 @@ class StagePeer(Replica):
             time.sleep(0.3)
         logger.error("round %d: no peer served the fixed table of round %d; re-syncing", new_round - 1, new_round)
         return False
+
+    def follow_embedding(self, donor: str, new_round: int, vouched: dict[str, str | None]) -> bool:
+        """T_fixed(t+1) and E_S(t+1) from our E_S(t) and the entries `donor` says the outer step changed, kept
+        only if they match the fingerprints the round's peers vouch for (a wrong change costs a table fetch)."""
+        if self.stage.embedding is None:
+            return False
+        change = self.states.fetch_change(donor, new_round)
+        if change is None:
+            return False
+        try:
+            embedding = apply_embedding_change(self.stage.embedding, *change)
+        except ValueError as e:
+            logger.warning("round %d: %s served an unusable embedding change (%s)", new_round - 1, donor, e)
+            return False
+        fixed, inside = transferred_table(self.stage.fixed_table, self.stage.basis, embedding)
+        if fingerprint([fixed]) != vouched[FIXED] or vouched[EMBED] not in (None, fingerprint([inside])):
+            logger.warning("round %d: %s's embedding change does not rebuild the swarm's tables; fetching them",
+                           new_round - 1, donor)  # fmt: skip
+            return False
+        self.stage.fixed_table.copy_(fixed)
+        self.stage.embedding, self.embed_change = inside, change
+        return True
+
+    def fetch_tables(self, donor: str, record: PeerRecord, new_round: int) -> bool:
+        """T_fixed(t+1) whole from `donor`, and E_S(t+1) when it serves it (else we fetch both again next round)."""
+        fixed = self.states.fetch_table(donor, record, new_round, FIXED)
+        if fixed is None:
+            return False
+        self.stage.fixed_table.copy_(fixed)
+        has_embedding = EMBED in record.fingerprints
+        self.stage.embedding = self.states.fetch_table(donor, record, new_round, EMBED) if has_embedding else None
+        self.embed_change = None
+        return True
+
+    def load_state(self, min_round: int, wait_s: float) -> int | None:
+        """A donor's state brings T_fixed, not E_S: our copy is stale until the next upkeep fetches it."""
+        self.stage.embedding = None
+        return super().load_state(min_round, wait_s)
+
+    def restore(self) -> None:
+        """Our checkpoint holds T_fixed, not E_S: a stage resumed past round 0 fetches it with the next tables."""
+        super().restore()
+        if self.round > 0 and self.stage.embedding is not None:
+            self.stage.embedding = None
+            self.adopt_start()
 
     def evaluate(self, round_: int, trained: bool) -> float | None:
         """The eval pass through the pipeline: every stage of a VR that trained the round takes part (batches only

@@ -12,9 +12,10 @@ One round, as the protocol runs it:
   that fit and sits the round out below `min_inner_steps`;
 * the exchange: per shard a member holds, all-to-all (today) downloads every other member's message and serves
   its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two messages each way
-  whatever R is. Stages without the embedding also learn T_fixed's change every round: today by downloading the
-  whole fp32 table ("dense"), or, modelled, by downloading the embedding's sparse messages and applying the same
-  drift transfer themselves ("sparse"). Every member also moves a fixed protocol overhead (DHT records,
+  whatever R is. Stages without the embedding also keep T_fixed current every round: today by downloading the
+  entries of E_S the aggregate changed, 8 bytes each, never more than the table ("changes"; the union of the
+  contributors' selections, about 1 − (1 − ρ)^C of the table for C contributors selecting a fraction ρ each), or
+  the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead (DHT records,
   matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a matchmaking overhead
   and a round trip;
 * the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
@@ -34,8 +35,8 @@ from hetero_node.protocol.run_config import RunConfig
 
 EXCHANGES = ("all-to-all", "butterfly")
 """all-to-all: what the swarm runs today (O(R) messages per peer); butterfly: the flat alternative, modelled."""
-TABLE_UPKEEPS = ("dense", "sparse")
-"""dense: later stages download T_fixed every round (today); sparse: they download the embedding's messages."""
+TABLE_UPKEEPS = ("changes", "dense")
+"""changes: later stages download the entries of E_S the outer step changed (today); dense: the whole T_fixed."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class RunShape:
     boundary_forward_bytes: int  # what one boundary carries forward per inner step (all microbatches)
     boundary_backward_bytes: int
     fixed_table_bytes: int  # T_fixed, fetched each round by stages without the embedding (0: no subspace)
-    embedding_message_bytes: int  # the embedding's part of one replica's message (what "sparse" upkeep fetches)
+    embedding_density: float  # the fraction of the embedding's entries one replica's message selects (DiLoCo: 1)
     full_memory_bytes: int
     stage_memory_bytes: tuple[int, ...]
     rank: int | None  # the boundary's subspace rank (None: dense boundaries)
@@ -108,12 +109,21 @@ def _shape(run: RunConfig) -> RunShape:
         boundary_forward_bytes=micro * fmt.message_bytes(FORWARD, per_micro, run.seq_len),
         boundary_backward_bytes=micro * fmt.message_bytes(BACKWARD, per_micro, run.seq_len),
         fixed_table_bytes=cfg.vocab_size * cfg.d_model * 4 if run.uses_subspace else 0,
-        embedding_message_bytes=outer_method(run, [shapes["embed.weight"]]).max_message_bytes,
+        embedding_density=_selected_fraction(run, shapes["embed.weight"]),
         full_memory_bytes=full,
         stage_memory_bytes=tuple(per_stage),
         rank=rank,
         d_model=cfg.d_model,
     )
+
+
+def _selected_fraction(run: RunConfig, shape: tuple[int, ...]) -> float:
+    """The fraction of a tensor's entries a replica's SparseLoCo message carries (a dense method's: all)."""
+    from hetero_node.protocol.sparseloco import chunk_plan
+
+    if run.outer.outer != "sparseloco":
+        return 1.0
+    return chunk_plan(shape, run.sparseloco.chunk, run.sparseloco.topk).num_selected / math.prod(shape)
 
 
 def run_variant(run: RunConfig, inner_steps: int | None = None, rank: int | None = None) -> RunConfig:
@@ -130,7 +140,7 @@ class LinkModel:
     rtt_ms: float = 0.0
     matchmaking_s: float = 1.0
     exchange: str = "all-to-all"
-    table_upkeep: str = "dense"
+    table_upkeep: str = "changes"
     overhead_bytes: float = 0.53e6
     """What a member sends (and receives) per round besides messages: DHT records, matchmaking, manifests,
     verification. 0.53 MB is the 4-node lab's figure (the sparseloco run of `make bench-long`)."""
@@ -289,10 +299,10 @@ def _table_upkeep_bytes(
     """(what a later stage downloads, what each shard-0 holder uploads) per round to keep T_fixed current."""
     if not shape.fixed_table_bytes or not holders:
         return 0.0, 0.0
-    if links.table_upkeep == "dense":
-        return shape.fixed_table_bytes, shape.fixed_table_bytes * fetchers / holders
-    # every contributor's embedding message (the stage holds none of them), served by the shard-0 holders
-    down = exchange_bytes(shape.embedding_message_bytes, contributors + 1, links.exchange)
+    down = float(shape.fixed_table_bytes)
+    if links.table_upkeep == "changes":  # the union of the contributors' selections: 4 of 8 bytes per entry
+        changed = 1 - (1 - shape.embedding_density) ** contributors
+        down = min(down, 2 * changed * shape.fixed_table_bytes)
     return down, down * fetchers / holders
 
 

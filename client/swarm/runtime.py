@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
 
 T = TypeVar("T")
-LATEST_KINDS = ("state", "fixed")
+LATEST_KINDS = ("state", "fixed", "embed")
 """Blob kinds a peer serves its newest copy of, whatever round others are in (state for late joiners)."""
 BLOB_PIECE_BYTES = 1 << 20
 """Stream pieces stay far below libp2p's 4 MiB message cap (ARCHITECTURE.md, hivemind pitfall A)."""
