@@ -171,7 +171,7 @@ NOTE = (
     "(mean ± std of the per-seed relative differences). Bytes: per replica per round, from the encoded payloads "
     "(SparseLoCo: R−1 messages downloaded; DiLoCo: 2(R−1)/R of the dense buffer; ddp: the same per step; message: "
     "one replica's own, ddp's one step's gradients; boundaries: every activation and gradient message; T_fixed: the "
-    "fp32 table every later stage of a VR fetches)."
+    "entries of E_S each later stage of a VR downloads to rebuild it, 8 bytes each)."
 )
 
 
