@@ -115,7 +115,9 @@ def test_a_virtual_replica_whose_last_stage_is_behind_nat_trains_and_contributes
     )
     full, s0, s1 = (rounds_of(tmp_path, i) for i in (0, 10, 11))
     for t in together:
-        assert s1[t]["fingerprints"] == {key: full[t]["fingerprints"][key] for key in ("1", "fixed", "embed")}
+        # shard 1 and T_fixed as the full replica holds them (and E_S, unless stage 1 loaded a state that round)
+        assert {"1", "fixed"} <= s1[t]["fingerprints"].keys() <= {"1", "fixed", "embed"}
+        assert s1[t]["fingerprints"].items() <= full[t]["fingerprints"].items()
         assert s1[t]["boundary_bytes_received"] == s0[t]["boundary_bytes_sent"] > 0, "activations reached s1"
         assert s0[t]["boundary_bytes_received"] == s1[t]["boundary_bytes_sent"] > 0, "gradients came back"
 
