@@ -52,7 +52,7 @@ def probe_hardware(device: torch.device, memory_limit_gb: float | None) -> Hardw
 def run_requirements(run: RunConfig) -> Requirements:
     """The run's memory and traffic needs, as the planner wants them."""
     cfg = get_preset(run.preset, vocab_size=run.vocab_size)
-    full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, run.outer.stages)
+    full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, run.outer.stages, run.uses_subspace)
     with torch.device("meta"):
         model = Transformer(cfg)
     shapes = dict((name, tuple(p.shape)) for name, p in model.named_parameters())
