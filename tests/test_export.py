@@ -66,7 +66,7 @@ def write_checkpoint(
 ) -> Path:
     replica = SimpleNamespace(
         node=SimpleNamespace(checkpoint_dir=directory), run_cfg=run, round=round_, slot=lambda: slot,
-        module=module, trainer=SimpleNamespace(state_dict=dict), syncs={},
+        module=module, trainer=SimpleNamespace(state_dict=dict), syncs={}, checkpoint_extras=dict,
     )  # fmt: skip
     Replica.checkpoint(replica)  # type: ignore[arg-type]
     return directory

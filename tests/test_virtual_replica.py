@@ -108,6 +108,7 @@ def test_a_stopped_stage_resumes_its_shard_and_error_feedback_from_its_checkpoin
     full_saved = read_checkpoint(tmp_path / f"r{FULL}.ckpt" / CHECKPOINT_NAME)
     assert saved["slot"] == [0, 1] and saved["round"] >= 1  # (virtual replica, stage)
     assert len(saved["syncs"]) == 1 and 0 < len(saved["model"]) < len(full_saved["model"]), "its shard, not the model"
+    assert tuple(saved["embed"].shape) == (256, 128), "stage 1 keeps its copy of E_S (for T_fixed's upkeep)"
     log = (tmp_path / "s1.log").read_text()
     assert f"resumed from checkpoint at round {saved['round']} (error feedback {saved_ef})" in log
     together = resumed_rounds(tmp_path, before)

@@ -215,6 +215,14 @@ class Replica(ABC):
         """Role-specific fields of the round's metrics (pipeline boundary bytes)."""
         return {}
 
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """Role-specific state to checkpoint besides the module, optimizer and outer state."""
+        return {}
+
+    def restore_extras(self, state: dict[str, Any]) -> None:
+        """Take back `checkpoint_extras` from a checkpoint being resumed (it may predate them)."""
+        return None
+
     @property
     @abstractmethod
     def module(self) -> torch.nn.Module:
@@ -243,6 +251,7 @@ class Replica(ABC):
             "trainer": self.trainer.state_dict(),
             "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
             "run_config": self.run_cfg.to_dict(),  # what `hetero-node export` rebuilds the model's shape from
+            **self.checkpoint_extras(),
         }
         try:
             save_checkpoint(self.node.checkpoint_dir, state)
@@ -268,6 +277,7 @@ class Replica(ABC):
             return
         self.module.load_state_dict(state["model"])
         self.trainer.load_state_dict(state["trainer"])
+        self.restore_extras(state)
         for shard, sync_state in zip(sorted(self.syncs), state["syncs"], strict=True):
             self.syncs[shard].method.load_state_dict(sync_state)
         self.adopt_start()

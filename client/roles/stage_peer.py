@@ -316,12 +316,17 @@ class StagePeer(Replica):
         self.stage.embedding = None
         return super().load_state(min_round, wait_s)
 
-    def restore(self) -> None:
-        """Our checkpoint holds T_fixed, not E_S: a stage resumed past round 0 fetches it with the next tables."""
-        super().restore()
-        if self.round > 0 and self.stage.embedding is not None:
-            self.stage.embedding = None
-            self.adopt_start()
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """A later stage's copy of E_S, which its next upkeep builds on (the module's state holds T_fixed)."""
+        return {} if self.stage.first or self.stage.embedding is None else {EMBED: self.stage.embedding}
+
+    def restore_extras(self, state: dict[str, Any]) -> None:
+        """E_S's copy as checkpointed with T_fixed, or none (the next upkeep then fetches both tables)."""
+        if self.stage.first or self.stage.basis is None:
+            return
+        copy = state.get(EMBED)
+        fits = isinstance(copy, Tensor) and copy.dtype == torch.float32 and copy.shape == self.stage.fixed_table.shape
+        self.stage.embedding = copy if fits else None
 
     def evaluate(self, round_: int, trained: bool) -> float | None:
         """The eval pass through the pipeline: every stage of a VR that trained the round takes part (batches only
