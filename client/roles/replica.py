@@ -421,6 +421,7 @@ class Replica(ABC):
                 logger.warning("shard %d: the donor's outer state is unusable (%s); keeping ours", shard, e)
         if self.fixed_table is not None:
             self.fixed_table.copy_(next(iter(states.values()))[FIXED])
+        self.embed_change = None  # ours was of another round
         self.adopt_start()
         self.round = new_round
         self.publish_state()

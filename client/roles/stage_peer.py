@@ -268,7 +268,9 @@ class StagePeer(Replica):
                 and r.fingerprints[FIXED] == vouched[FIXED]
             )  # fmt: skip
             for _, pid in donors:
-                if self.follow_embedding(pid, new_round, vouched) or self.fetch_tables(pid, records[pid], new_round):
+                if self.follow_embedding(pid, new_round, vouched):
+                    return True
+                if self.fetch_tables(pid, records[pid], new_round, vouched):
                     return True
                 if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
                     failed.add(pid)
@@ -300,14 +302,16 @@ class StagePeer(Replica):
         self.stage.embedding, self.embed_change = inside, change
         return True
 
-    def fetch_tables(self, donor: str, record: PeerRecord, new_round: int) -> bool:
-        """T_fixed(t+1) whole from `donor`, and E_S(t+1) when it serves it (else we fetch both again next round)."""
+    def fetch_tables(self, donor: str, record: PeerRecord, new_round: int, vouched: dict[str, str | None]) -> bool:
+        """T_fixed(t+1) whole from `donor`, and E_S(t+1) when it advertises the one the round's peers vouch for
+        (else we fetch both again next round)."""
         fixed = self.states.fetch_table(donor, record, new_round, FIXED)
         if fixed is None:
             return False
         self.stage.fixed_table.copy_(fixed)
-        has_embedding = EMBED in record.fingerprints
-        self.stage.embedding = self.states.fetch_table(donor, record, new_round, EMBED) if has_embedding else None
+        advertised = record.fingerprints.get(EMBED)
+        vouched_for = advertised is not None and vouched[EMBED] in (None, advertised)
+        self.stage.embedding = self.states.fetch_table(donor, record, new_round, EMBED) if vouched_for else None
         self.embed_change = None
         return True
 
