@@ -114,12 +114,12 @@ def messages_moved(method: str, replicas: int, inner_steps: int) -> float:
     return replicas - 1
 
 
-def table_upkeep_bytes(run: RunConfig, changed_entries: int) -> int:
+def table_upkeep_bytes(run: RunConfig, change_bytes: int) -> int:
     """What every stage after the first of a virtual replica downloads after each outer step to keep T_fixed: the
-    entries of E_S the step changed, an int32 position and an fp32 value each (`ShardStates.fetch_change`)."""
+    entries of E_S the step changed (`change_bytes`, one `embedding_change`'s tensors)."""
     if not (run.uses_subspace and run.pipeline.drift_transfer):
         return 0
-    return (run.outer.stages - 1) * changed_entries * 8
+    return (run.outer.stages - 1) * change_bytes
 
 
 # -------------------------------------------------------------------------------------------- the rounds
@@ -153,8 +153,8 @@ class OuterSwarm:
         self.basis = subspace_basis(cfg.d_model, run.pipeline.rank(cfg.d_model), run.seed) if run.uses_subspace \
             else None  # fmt: skip
         self.evaluator = InnerTrainer(self.model, run.optim, run.total_inner_steps, DEVICE)
-        self.changed_entries = 0
-        """Entries of E_S the last outer step changed (what later stages download to keep T_fixed)."""
+        self.change_bytes = 0
+        """Bytes of the last outer step's change to E_S (what later stages download to keep T_fixed)."""
 
     def theta(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
@@ -181,7 +181,8 @@ class OuterSwarm:
             for p, value in zip(start, judge.update([p.detach().clone() for p in start], combined), strict=True):
                 p.copy_(value)
         if self.basis is not None and self.run.pipeline.drift_transfer:
-            self.changed_entries = len(embedding_change(before, self.model.embed.weight)[0])
+            positions, values = embedding_change(before, self.model.embed.weight)
+            self.change_bytes = 4 * (len(positions) + len(values))  # int32 positions, fp32 values
             drift_transfer_(self.model, self.basis)
         return sizes
 
@@ -217,7 +218,7 @@ def simulate(
         sizes = swarm.step(replicas, names)
         outer = messages_moved(run.outer.outer, R, H) * sum(sizes) / R
         boundary = sum(r.boundary_bytes for r in replicas) / R
-        table = table_upkeep_bytes(run, swarm.changed_entries) * layout.count(VIRTUAL) / R
+        table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R
         sent += outer + boundary + table
         point = RoundPoint(t, (t + 1) * R * tokens_per_round, sent, swarm.evaluator.evaluate(held_out),
                            swarm.fingerprints(), {"outer": outer, "boundary": boundary, "table": table})  # fmt: skip

@@ -43,13 +43,12 @@ def full_and_stage_memory(
     cfg: ModelConfig, batch_size: int, seq_len: int, stages: int, subspace: bool = False
 ) -> tuple[int, list[int]]:
     """(bytes to train the whole model, bytes to train each pipeline stage). In a `subspace` run every peer also
-    holds the fixed table T_fixed, and stages without the embedding a copy of E_S to keep it current (fp32 vocab × d
-    each, buffers outside the optimizer)."""
+    holds the fixed table T_fixed on its device (fp32 vocab × d, a buffer outside the optimizer). Stages without the
+    embedding keep a copy of E_S of the same size too, in host RAM, not counted here: this is the device's budget."""
     table = int(HEADROOM * 4 * cfg.vocab_size * cfg.d_model) if subspace else 0
     full = training_memory_bytes(cfg, batch_size, seq_len, range(cfg.n_layers), True, True) + table
     per_stage = [
-        training_memory_bytes(cfg, batch_size, seq_len, layers, s == 0, s == stages - 1)
-        + (table if s == 0 else 2 * table)
+        training_memory_bytes(cfg, batch_size, seq_len, layers, s == 0, s == stages - 1) + table
         for s, layers in enumerate(stage_layer_ranges(cfg.n_layers, stages))
     ]
     return full, per_stage

@@ -115,7 +115,8 @@ class ShardStates:
             self.runtime.publish(EMBED, 0, round_, functools.partial(to_bytes, table))
         if change is not None:
             positions, values = change
-            self.runtime.publish(EMBED_CHANGE, 0, round_, to_bytes({"positions": positions, "values": values}))
+            change = {"positions": positions, "values": values}
+            self.runtime.publish(EMBED_CHANGE, 0, round_, functools.partial(to_bytes, change))
         for shard, shard_tensors in tensors.items():
             state: dict[str, Any] = {"round": round_, "tensors": [t.detach().cpu() for t in shard_tensors]}
             if fixed is not None:
@@ -231,7 +232,7 @@ class ShardStates:
         failure. Only shapes and types are checked here: the caller checks what they rebuild."""
         from hivemind.p2p import PeerID
 
-        limit = _max_size([self.fixed_shape])  # room for every entry: an int32 position and an fp32 value each
+        limit = 4 * torch.Size(self.fixed_shape).numel() + (1 << 20)  # at most half the entries, or all values
         timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
         try:
             _, data = self.runtime.fetch(PeerID.from_base58(donor), EMBED_CHANGE, 0, round_, limit, timeout)

@@ -267,9 +267,9 @@ class StagePeer(Replica):
                 if r.round == new_round and FIXED in r.fingerprints and pid not in failed
                 and r.fingerprints[FIXED] == vouched[FIXED]
             )  # fmt: skip
+            if any(self.follow_embedding(pid, new_round, vouched) for _, pid in donors):
+                return True  # the change, from whoever serves it, before any whole table
             for _, pid in donors:
-                if self.follow_embedding(pid, new_round, vouched):
-                    return True
                 if self.fetch_tables(pid, records[pid], new_round, vouched):
                     return True
                 if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
@@ -282,7 +282,8 @@ class StagePeer(Replica):
 
     def follow_embedding(self, donor: str, new_round: int, vouched: dict[str, str | None]) -> bool:
         """T_fixed(t+1) and E_S(t+1) from our E_S(t) and the entries `donor` says the outer step changed, kept
-        only if they match the fingerprints the round's peers vouch for (a wrong change costs a table fetch)."""
+        only if both match the fingerprints the round's peers vouch for (T_fixed alone does not pin E_S: it sees
+        only E_S's part outside span(U)); a wrong change costs a table fetch."""
         if self.stage.embedding is None:
             return False
         change = self.states.fetch_change(donor, new_round)
@@ -294,7 +295,7 @@ class StagePeer(Replica):
             logger.warning("round %d: %s served an unusable embedding change (%s)", new_round - 1, donor, e)
             return False
         fixed, inside = transferred_table(self.stage.fixed_table, self.stage.basis, embedding)
-        if fingerprint([fixed]) != vouched[FIXED] or vouched[EMBED] not in (None, fingerprint([inside])):
+        if fingerprint([fixed]) != vouched[FIXED] or fingerprint([inside]) != vouched[EMBED]:
             logger.warning("round %d: %s's embedding change does not rebuild the swarm's tables; fetching them",
                            new_round - 1, donor)  # fmt: skip
             return False
@@ -309,16 +310,19 @@ class StagePeer(Replica):
         if fixed is None:
             return False
         self.stage.fixed_table.copy_(fixed)
-        advertised = record.fingerprints.get(EMBED)
-        vouched_for = advertised is not None and vouched[EMBED] in (None, advertised)
+        vouched_for = vouched[EMBED] is not None and record.fingerprints.get(EMBED) == vouched[EMBED]
         self.stage.embedding = self.states.fetch_table(donor, record, new_round, EMBED) if vouched_for else None
         self.embed_change = None
         return True
 
     def load_state(self, min_round: int, wait_s: float) -> int | None:
-        """A donor's state brings T_fixed, not E_S: our copy is stale until the next upkeep fetches it."""
-        self.stage.embedding = None
-        return super().load_state(min_round, wait_s)
+        """A donor's state brings T_fixed, not E_S: our copy is stale until the next upkeep fetches it (kept when
+        nothing was loaded)."""
+        copy, self.stage.embedding = self.stage.embedding, None
+        size = super().load_state(min_round, wait_s)
+        if size is None:
+            self.stage.embedding = copy
+        return size
 
     def checkpoint_extras(self) -> dict[str, Any]:
         """A later stage's copy of E_S, which its next upkeep builds on (the module's state holds T_fixed)."""
