@@ -52,11 +52,11 @@ bench-long: venv data
 	$(BIN)/hetero-node bench --topology hetero-tiny --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
 		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long
 
-# The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 5 min).
+# The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 30 s).
 bench-plan: venv
 	$(BIN)/hetero-node bench-plan --out bench/results/plan-scaling
 
-# Bytes a full replica downloads per round in loopback swarms of 2-16 tiny replicas, measured and modelled (~14 min).
+# Bytes a full replica downloads per round in loopback swarms of 2-16 tiny replicas, measured and modelled (~7 min).
 bench-exchange: venv data
 	$(BIN)/hetero-node bench-exchange --out bench/results/exchange-scaling
 

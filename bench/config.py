@@ -422,8 +422,14 @@ class ExchangeScalingConfig:
     replicas: str = field(default="2,4,8,16", metadata={"help": "Swarm sizes (full replicas), comma-separated."})
     rounds: int = field(default=3, metadata={"help": "Outer rounds per swarm."})
     inner_steps: int = field(default=5, metadata={"help": "H."})
+    round_s_per_replica: float = field(
+        default=2.5,
+        metadata={"help": "Round length per replica, in s (R processes share this machine's cores; 0: H steps)."},
+    )
     out: Path = field(default=Path("bench/results/exchange-scaling"), metadata={"help": "Results directory."})
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "inner_steps")
+        if self.round_s_per_replica < 0:
+            raise ConfigError(f"--round-s-per-replica must not be negative, got {self.round_s_per_replica}")
         positive_int_list(self.replicas, "--replicas")  # a bad list fails here, before any work

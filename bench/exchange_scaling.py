@@ -30,9 +30,12 @@ CLI = [sys.executable, "-m", "hetero_node.client.cli"]
 
 
 def demo_argv(cfg: ExchangeScalingConfig, replicas: int, report: Path) -> list[str]:
+    """Rounds of `round_s_per_replica` × R seconds: with the default H-step rounds, 8 or more replicas sharing 2
+    cores miss each other's groups (rounds split into groups of 2–8, and 16 replicas completed none)."""
     return [
         *CLI, "demo", "--preset", "tiny", "--full", str(replicas), "--virtual", "0", "--rounds", str(cfg.rounds),
         "--inner-steps", str(cfg.inner_steps), "--batch-size", "4", "--seq-len", "64", "--report", str(report),
+        "--round-s", str(cfg.round_s_per_replica * replicas),
     ]  # fmt: skip
 
 
