@@ -53,6 +53,14 @@ def start_replicas(
     return peers
 
 
+def eval_losses(replicas: list[dict[int, dict[str, Any]]], rounds: range) -> dict[int, float]:
+    """Each round's eval loss, from whichever full replicas computed it: all evaluate the same θ(t+1), and one that
+    rebuilt the round from its messages, or was behind the next deadline, leaves it to the others."""
+    losses = {t: [r[t]["eval_loss"] for r in replicas if r[t]["eval_loss"] is not None] for t in rounds}
+    assert all(v and max(v) - min(v) < 1e-3 for v in losses.values()), f"missing or disagreeing eval losses: {losses}"
+    return {t: v[0] for t, v in losses.items()}
+
+
 def rounds_of(workdir: Path, index: int) -> dict[int, dict[str, Any]]:
     """Replica `index`'s round records by round (a restarted replica's later record wins)."""
     return {r["round"]: r for r in read_metrics(workdir / f"r{index}.jsonl")[1]}
