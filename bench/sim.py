@@ -168,7 +168,7 @@ class OuterSwarm:
         """θ(t+1) from every replica's encoded messages; returns each replica's message bytes."""
         weight = float(self.run.outer.inner_steps * self.run.batch_size * self.run.seq_len)
         deltas = [r.shard_deltas() for r in replicas]
-        before = self.model.embed.weight.detach().clone()
+        before = self.model.embed.weight.detach().clone() if self.basis is not None else None
         sizes = [0] * len(replicas)
         for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
             messages = []

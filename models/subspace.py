@@ -19,11 +19,12 @@ Per-round upkeep, each step its own function so a caller can switch it off (desi
   every inner optimizer step). Lossy for anything outside span(U).
 * `drift_transfer_` / `drift_transfer_fixed_` — after an outer step E_S has left span(U); D = E_S − E_S P moves
   into T_fixed (T_fixed += D, E_S ← E_S P), which leaves T_fixed + E_S, hence the model, unchanged. Stage 0
-  (or a full replica) holds E_S and calls `drift_transfer_`; every other stage calls `drift_transfer_fixed_` with
-  the same global E_S (the aggregated `embed.weight` after the outer step, before its projection). It keeps its
-  own copy of E_S and receives only the entries the outer step changed (`embedding_change`, a few percent of the
-  table under SparseLoCo), not the table. Both compute D on the CPU in float64 from the same inputs, so every
-  peer's T_fixed stays identical.
+  (or a full replica) holds E_S and calls `drift_transfer_`; every other stage needs the same global E_S (the
+  aggregated `embed.weight` after the outer step, before its projection): it keeps its own copy, receives only
+  the entries the outer step changed (`embedding_change`, a few percent of the table under SparseLoCo;
+  `apply_embedding_change`), and computes the new tables with `transferred_table` (`drift_transfer_fixed_` does
+  the same on a module). All compute D on the CPU in float64 from the same inputs, so every peer's T_fixed stays
+  identical.
 
 Gradients: the pipelined gradient (backward through Uᵀ g at each boundary) equals the full model's gradient for
 every unconstrained parameter, and its projection (P g for output projections, g P for E_S) for the constrained
@@ -152,9 +153,8 @@ def drift_transfer_(module: Transformer, U: Tensor) -> None:
 
 
 @torch.no_grad()
-def drift_transfer_fixed_(module: Transformer, U: Tensor, embedding: Tensor) -> Tensor:
-    """T_fixed += E_S − E_S U Uᵀ on a stage holding only T_fixed, given the global E_S stage 0 transfers from;
-    returns E_S U Uᵀ, stage 0's E_S after its own transfer (what the next round's change applies to).
+def drift_transfer_fixed_(module: Transformer, U: Tensor, embedding: Tensor) -> None:
+    """T_fixed += E_S − E_S U Uᵀ on a stage holding only T_fixed, given the global E_S stage 0 transfers from.
 
     `embedding` is the aggregated `embed.weight` after the outer step, before stage 0's `drift_transfer_`
     projects it; the result then equals stage 0's T_fixed bit for bit.
@@ -164,9 +164,7 @@ def drift_transfer_fixed_(module: Transformer, U: Tensor, embedding: Tensor) -> 
         raise ConfigError("drift_transfer_fixed_ is for a module with a fixed table and no embed of its own")
     if embedding.shape != module.embed_fixed.shape:
         raise ConfigError(f"embedding of shape {tuple(embedding.shape)} does not fit the fixed table")
-    fixed, inside = transferred_table(module.embed_fixed, U, embedding)
-    _set_fixed(module, fixed)
-    return inside
+    _set_fixed(module, transferred_table(module.embed_fixed, U, embedding)[0])
 
 
 @torch.no_grad()
@@ -187,7 +185,7 @@ def embedding_change(before: Tensor, after: Tensor) -> tuple[Tensor, Tensor]:
     positions = (flat_before.view(torch.int32) != flat_after.view(torch.int32)).nonzero().reshape(-1)
     if 2 * len(positions) > len(flat_after):
         return torch.zeros(0, dtype=torch.int32), flat_after.clone()
-    return positions.to(torch.int32), flat_after[positions].clone()
+    return positions.to(torch.int32), flat_after[positions]
 
 
 def apply_embedding_change(embedding: Tensor, positions: Tensor, values: Tensor) -> Tensor:

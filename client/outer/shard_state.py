@@ -106,12 +106,12 @@ class ShardStates:
         """Serve round `round_`'s state of every shard in `tensors` (`shared`: the method's shared outer state),
         and in a subspace run the tables: T_fixed, E_S (`embedding`) and the change that made E_S(round_).
 
-        Serialized only when a peer asks: `tensors` must not change afterwards (the caller replaces its start
-        point each round rather than writing into it); the tables and shared state, which do change in place,
-        are copied here."""
+        Serialized only when a peer asks: `tensors`, `embedding` and `change` must not change afterwards (the
+        caller replaces them each round rather than writing into them); T_fixed and the shared state, which do
+        change in place, are copied here."""
         fixed = None if fixed is None else fixed.detach().cpu().clone()
         if embedding is not None:
-            table = {"round": round_, EMBED: embedding.detach().cpu().clone()}
+            table = {"round": round_, EMBED: embedding.detach().cpu()}
             self.runtime.publish(EMBED, 0, round_, functools.partial(to_bytes, table))
         if change is not None:
             positions, values = change

@@ -77,7 +77,7 @@ class FullReplica(Replica):
 
     @property
     def embedding(self) -> Tensor | None:
-        return None if self.basis is None else self.model.embed.weight
+        return None if self.basis is None else self.start_embedding(self.model)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -54,8 +54,8 @@ class PipelineStage:
         self.fmt = boundary_format(run)
         self.basis: Tensor | None = None
         self.embedding: Tensor | None = None
-        """A later stage's copy of E_S (CPU, fp32): the stage peer's upkeep follows it to rebuild T_fixed; None
-        when unknown (after a checkpoint or a loaded state, until the next upkeep fetches it)."""
+        """A later stage's copy of E_S (CPU, fp32), replaced (never written into) by the stage peer's upkeep, which
+        follows it to rebuild T_fixed; None when unknown (after a loaded state, until the next upkeep fetches it)."""
         self.constrained: list[str] = []
         if run.uses_subspace:
             self.basis = subspace_basis(cfg.d_model, self.fmt.width, run.seed).to(device)

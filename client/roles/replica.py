@@ -160,7 +160,8 @@ class Replica(ABC):
 
     @property
     def embedding(self) -> Tensor | None:
-        """E_S, the learned embedding, where this peer holds it or a copy (subspace runs); else None."""
+        """E_S of θ(t), where this peer holds it or a copy (subspace runs), as a tensor nobody writes into; else
+        None."""
         return None
 
     @abstractmethod
@@ -202,13 +203,19 @@ class Replica(ABC):
         """Δ = θ(t) − θ_local of a shard (a virtual replica measures it from its projected start)."""
         return [s - p.detach() for s, p in zip(self.start[shard], self.params[shard], strict=True)]
 
+    def start_embedding(self, module: torch.nn.Module) -> Tensor | None:
+        """E_S of θ(t) on a peer holding it (stage 0, a full replica): the start point's copy of `embed.weight`,
+        never written in place, so it can be served and fingerprinted without another copy."""
+        if 0 not in self.start:  # before the first start point is taken
+            return None
+        weight = module.embed.weight
+        return next(s for s, p in zip(self.start[0], self.params[0], strict=True) if p is weight)
+
     @torch.no_grad()
     def transfer_drift(self, module: torch.nn.Module, basis: Tensor) -> None:
         """Upkeep on a peer holding E_S (stage 0, a full replica): note which entries of E_S the outer step changed
         since θ(t), served to later stages so they rebuild T_fixed(t+1) without the table, then move the drift."""
-        weight = module.embed.weight
-        before = next(s for s, p in zip(self.start[0], self.params[0], strict=True) if p is weight)
-        self.embed_change = embedding_change(before, weight)
+        self.embed_change = embedding_change(self.start_embedding(module), module.embed.weight)
         drift_transfer_(module, basis)
 
     def round_extras(self) -> dict[str, Any]:

@@ -100,7 +100,7 @@ class StagePeer(Replica):
     def embedding(self) -> Tensor | None:
         if self.stage.basis is None:
             return None
-        return self.stage.module.embed.weight if self.stage.first else self.stage.embedding
+        return self.start_embedding(self.stage.module) if self.stage.first else self.stage.embedding
 
     @property
     def module(self) -> torch.nn.Module:
