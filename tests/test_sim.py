@@ -89,7 +89,6 @@ def test_traffic_is_the_encoded_messages_and_boundaries(store) -> None:
     # at most what the two messages selected in the embedding, far below the dense fp32 table (d_model 128)
     selected = chunk_plan((vocab, 128), 64, 64).num_selected
     assert dense["table"] == 0 and 0 < hetero["table"] * 2 <= 2 * selected * 8 < vocab * 128 * 4 / 10
-    assert hetero["table"] * 2 % 8 == 0
 
 
 def test_the_grid_sweeps_only_the_knobs_a_method_has() -> None:
