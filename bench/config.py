@@ -340,6 +340,9 @@ class SimConfig:
     inner_steps: str = field(default="20", metadata={"help": "H values to sweep (ddp: steps per evaluation)."})
     topk: str = field(default="64", metadata={"help": "SparseLoCo entries kept per 64×64 chunk, values to sweep."})
     rounds: int = field(default=20, metadata={"help": "Outer rounds per run."})
+    max_contributors: str = field(
+        default="0", metadata={"help": "K values to sweep: messages a round aggregates at most (0: every replica's)."}
+    )
     stages: int = field(default=2, metadata={"help": "Parameter shards = pipeline stages of a virtual replica."})
     microbatches: int = field(default=2, metadata={"help": "Microbatches per inner step in a virtual replica."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
@@ -386,6 +389,14 @@ class SimConfig:
     @property
     def topk_list(self) -> list[int]:
         return positive_int_list(self.topk, "--topk")
+
+    @property
+    def contributor_list(self) -> list[int]:
+        return (
+            [0]
+            if self.max_contributors.strip() == "0"
+            else positive_int_list(self.max_contributors, "--max-contributors")
+        )
 
 
 @dataclass(frozen=True)

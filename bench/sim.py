@@ -36,6 +36,7 @@ from hetero_node.models.subspace import drift_transfer_, embedding_change, subsp
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.flat_exchange import selected_contributors
 from hetero_node.protocol.outer_methods import outer_method
 from hetero_node.protocol.run_config import OptimConfig, OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
 
@@ -53,12 +54,15 @@ class Cell:
     inner_steps: int
     topk: int | None
     rank_divisor: int | None
+    contributors: int = 0
+    """K: messages each round aggregates (`--max-contributors`); 0 when every replica's is (K ≥ R, ddp)."""
 
     @property
     def name(self) -> str:
         parts = [self.method, f"R{self.replicas}", f"H{self.inner_steps}"]
         parts += [] if self.topk is None else [f"k{self.topk}"]
-        return " ".join(parts + ([] if self.rank_divisor is None else [f"d/{self.rank_divisor}"]))
+        parts += [] if self.rank_divisor is None else [f"d/{self.rank_divisor}"]
+        return " ".join(parts + ([f"K{self.contributors}"] if self.contributors else []))
 
     @property
     def layout(self) -> list[str]:
@@ -80,7 +84,8 @@ def grid(cfg: SimConfig) -> list[Cell]:
             for h in cfg.h_list:
                 for k in cfg.topk_list if sparse else [None]:
                     for rank in cfg.rank_list if method in SUBSPACE_METHODS else [None]:
-                        cells.append(Cell(method, replicas, h, k, rank))
+                        for limit in cfg.contributor_list if method != "ddp" else [0]:
+                            cells.append(Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0))
     return list(dict.fromkeys(cells))
 
 
@@ -92,7 +97,7 @@ def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, stor
         preset=cfg.preset, vocab_size=vocab_size, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
         data_shards=max(16, cell.replicas), data_identity=store.identity, tokenizer_identity="lab",
         outer=OuterConfig(outer="diloco" if cell.method == "diloco" else "sparseloco", inner_steps=cell.inner_steps,
-                          rounds=cfg.rounds, stages=cfg.stages),
+                          rounds=cfg.rounds, stages=cfg.stages, max_contributors=cell.contributors),
         optim=OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps),
         sparseloco=SparseLoCoConfig(topk=cell.topk or SparseLoCoConfig.topk),
         pipeline=PipelineConfig(activation_compression=compression, microbatches=cfg.microbatches,
@@ -103,12 +108,15 @@ def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, stor
 # ------------------------------------------------------------------------------------------------ traffic
 
 
-def messages_moved(method: str, replicas: int, inner_steps: int) -> float:
+def messages_moved(method: str, replicas: int, inner_steps: int, contributors: int = 0) -> float:
     """How many of its own messages' worth one replica moves per round: SparseLoCo's members each download every
     other member's message (R − 1); a dense all-reduce (DiLoCo's butterfly, ddp's ring) sends 2(R−1)/R of the
-    buffer, ddp once per inner step."""
+    buffer, ddp once per inner step. With K < R contributors a round moves K messages to R − 1 members each
+    (the relay trees spread the uploads), K(R − 1)/R per replica."""
     if method == "ddp":
         return inner_steps * 2 * (replicas - 1) / replicas
+    if 0 < contributors < replicas:
+        return contributors * (replicas - 1) / replicas
     if method == "diloco":
         return 2 * (replicas - 1) / replicas
     return replicas - 1
@@ -170,13 +178,19 @@ class OuterSwarm:
         deltas = [r.shard_deltas() for r in replicas]
         before = self.model.embed.weight.detach().clone() if self.basis is not None else None
         sizes = [0] * len(replicas)
+        start_fps = self.fingerprints()
         for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
-            messages = []
+            chosen = set(selected_contributors(names, self.run.outer.max_contributors, start_fps[str(s)]))
+            messages, senders = [], []
             for i, replica in enumerate(replicas):
-                payload = replica.methods[s].encode(deltas[i][s]).payload
-                sizes[i] += len(payload)
-                messages.append(judge.decode(payload))
-            combined = judge.combine(messages, [weight] * len(replicas), names)
+                encoded = replica.methods[s].encode(deltas[i][s])
+                sizes[i] += len(encoded.payload)
+                if names[i] in chosen:
+                    messages.append(judge.decode(encoded.payload))
+                    senders.append(names[i])
+                else:  # left out this round: its Δ stays owed, as on a swarm member
+                    replica.methods[s].defer(encoded.snapshot, encoded.payload)
+            combined = judge.combine(messages, [weight] * len(messages), senders)
             start = shard_tensors(self.model, shard)
             for p, value in zip(start, judge.update([p.detach().clone() for p in start], combined), strict=True):
                 p.copy_(value)
@@ -216,7 +230,7 @@ def simulate(
             replica.load(swarm.theta(), swarm.fixed)
             replica.train(t, H)
         sizes = swarm.step(replicas, names)
-        outer = messages_moved(run.outer.outer, R, H) * sum(sizes) / R
+        outer = messages_moved(run.outer.outer, R, H, run.outer.max_contributors) * sum(sizes) / R
         boundary = sum(r.boundary_bytes for r in replicas) / R
         table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R
         sent += outer + boundary + table

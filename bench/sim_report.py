@@ -38,6 +38,8 @@ class CellSummary:
     """Bytes one replica sent so far after each round, mean over seeds."""
     traffic: dict[str, float]
     """Bytes per replica per round by kind (outer, boundary, table), mean over rounds and seeds."""
+    contributors: int = 0
+    """K: messages a round aggregated (0: every replica's)."""
 
     @property
     def mean(self) -> float:
@@ -54,7 +56,7 @@ class CellSummary:
     @property
     def message_bytes(self) -> float:
         """One replica's outer message (ddp: one step's gradient buffer), from what its exchange moved."""
-        return self.traffic["outer"] / messages_moved(self.method, self.replicas, self.inner_steps)
+        return self.traffic["outer"] / messages_moved(self.method, self.replicas, self.inner_steps, self.contributors)
 
 
 def _columns(rows: list[list[float]]) -> list[float]:
@@ -77,6 +79,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
             curve=_columns([[p["eval_loss"] for p in r] for r in rounds]), tokens=[p["tokens"] for p in rounds[0]],
             bytes_sent=_columns([[p["bytes_per_replica"] for p in r] for r in rounds]),
             traffic={k: statistics.fmean(p["traffic"][k] for r in rounds for p in r) for k in kinds},
+            contributors=first.get("contributors", 0),
         )  # fmt: skip
     return out
 

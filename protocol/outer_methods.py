@@ -4,7 +4,8 @@ shard's group turns the same messages into the same θ(t+1).
 One interface, two methods; `--aggregation` picks how `combine` bounds each message (see `aggregation`):
 
 * `encode(deltas)` → the wire message of Δ = θ(t) − θ_local, and a snapshot of the private state it changed
-  (SparseLoCo's error feedback), which `restore` puts back when the round fails for this replica;
+  (SparseLoCo's error feedback), which `restore` puts back when the round fails for this replica, and `defer`
+  when the round left a valid message out (`--max-contributors`): SparseLoCo then keeps Δ owed, DiLoCo loses it;
 * `decode(payload)` → a message, strictly checked (`PayloadError` on anything malformed);
 * `combine(messages, weights, names)` → the aggregate of the messages, weighted by the tokens each replica
   trained, summed in canonical (peer-id) order whatever order they arrive in; malformed ones are dropped;
@@ -73,6 +74,10 @@ class OuterMethod(ABC):
     def restore(self, snapshot: Any) -> None:
         """Undo `encode`: the round failed for this replica, its contribution is dropped."""
 
+    def defer(self, snapshot: Any, payload: bytes) -> None:
+        """The round aggregated others but not this message (not selected): by default, as if it failed."""
+        self.restore(snapshot)
+
     @abstractmethod
     def decode(self, payload: bytes) -> Any:
         """A peer's message, strictly checked; `PayloadError` if malformed."""
@@ -137,6 +142,10 @@ class SparseLoCoMethod(OuterMethod):
 
     def restore(self, snapshot: Any) -> None:
         self.compressor.load_state_dict(snapshot)
+
+    def defer(self, snapshot: Any, payload: bytes) -> None:
+        """Put what the message sent back into the error feedback: the whole of Δ waits for a later round."""
+        self.compressor.return_sent(self.decode(payload))
 
     def decode(self, payload: bytes) -> Any:
         return sparse_codec.decode(payload, self.shapes, self.config)

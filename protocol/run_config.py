@@ -18,7 +18,7 @@ from typing import Any
 
 from hetero_node.protocol.errors import ConfigError, require_positive
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64
@@ -97,6 +97,13 @@ class OuterConfig:
             "(every bound per tensor and per coordinate: a minority of liars cannot concentrate; see bench-byzantine)."
         },
     )
+    max_contributors: int = field(
+        default=8,
+        metadata={
+            "help": "K: messages a shard's round aggregates at most, a different subset each round (0: all); the "
+            "others keep their Δ in their error feedback for a later round. Keeps each peer's bytes per round flat."
+        },
+    )
     round_s: float = field(
         default=0.0,
         metadata={
@@ -126,6 +133,8 @@ class OuterConfig:
         if self.diloco_wire not in DILOCO_WIRE_DTYPES:
             raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
         require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")
+        if self.max_contributors < 0:
+            raise ConfigError(f"--max-contributors must be ≥ 0 (0: every contributor), got {self.max_contributors}")
         if not (math.isfinite(self.round_s) and self.round_s >= 0):
             raise ConfigError(f"--round-s must be ≥ 0 (0: derived from H), got {self.round_s}")
         if self.max_inner_steps < 0 or 0 < self.max_inner_steps < self.min_inner_steps:

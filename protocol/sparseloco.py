@@ -338,6 +338,14 @@ class ErrorFeedbackCompressor:
         self._buffers = new_buffers
         return SparseMessage(chunk=cfg.chunk, topk=cfg.topk, tensors=tuple(parts))
 
+    def return_sent(self, message: SparseMessage) -> None:
+        """Add back what `message` (this compressor's last one) took out of the buffers: the round did not aggregate
+        it, so e = β·e_prev + Δ again (up to fp32 rounding) and top-k picks from all of it next round."""
+        for i, part in enumerate(message.tensors):
+            plan = chunk_plan(self.shapes[i], self.config.chunk, self.config.topk)
+            buf = self._buffers[i]
+            buf.view(-1).index_add_(0, plan.positions(part.indices).to(buf.device), dequantize(part).to(buf.device))
+
     def state_dict(self) -> dict[str, list[Tensor]]:
         """The buffers, copied to the CPU, for a checkpoint."""
         return {"buffers": [b.detach().to("cpu", copy=True) for b in self._buffers]}

@@ -17,8 +17,12 @@ import pytest
 from swarm_helpers import assert_all_exit_cleanly, eval_losses, join_args, rounds_of, start_replicas, wait_for_round
 
 from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.plan import sizing_run
+from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME
 from hetero_node.client.roles.metrics import read_metrics
+from hetero_node.client.swarm.cost_model import RunShape
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]
 
@@ -45,6 +49,32 @@ def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
     assert any(r[t]["contributors"] == 3 for r in replicas for t in r), "the three never averaged together"
     evals = eval_losses(replicas, range(3))
     assert evals[2] < evals[0] < 5.6  # ln(256) ≈ 5.55 at init
+
+
+def test_four_replicas_aggregate_two_messages_a_round_through_relay_trees_and_agree(tmp_path: Path) -> None:
+    """--max-contributors 2: each round aggregates 2 of the 4 messages, the others stay owed; members fetch some
+    messages from a relay parent; nobody downloads more than 2 messages' worth in a round it got from its group."""
+    with LocalSwarm(tmp_path) as swarm:
+        start_replicas(swarm, 4, tmp_path, rounds=4, run_extra={"max_contributors": "2"})
+        assert_all_exit_cleanly(swarm, [f"r{i}" for i in range(4)])
+    replicas = [rounds_of(tmp_path, i) for i in range(4)]
+    run = sizing_run(RunOptions(preset="tiny", batch_size=8, seq_len=64), OuterConfig(stages=2), OptimConfig(),
+                     SparseLoCoConfig(), PipelineConfig())  # fmt: skip
+    message = RunShape.from_run(run).message_bytes
+    for t in range(4):
+        records = [r[t] for r in replicas]
+        assert len({json.dumps(r["fingerprints"], sort_keys=True) for r in records}) == 1, f"round {t} disagrees"
+        for r in records:
+            assert r["contributors"] <= 2 and not r["dropped"]
+            if not r["caught_up"]:
+                assert r["bytes_received"] <= 2 * message
+            assert not (r["deferred"] and (r["contributed"] or r["resynced"]))
+    grouped = [rec for r in replicas for rec in r.values() if rec["group_size"] == 4]
+    assert grouped, "the four never formed one group"
+    assert any(rec["deferred"] for rec in grouped) and any(rec["contributed"] for rec in grouped)
+    assert any(rec["messages_relayed"] > 0 for rec in grouped), "no message went through a relay parent"
+    evals = eval_losses(replicas, range(4))
+    assert evals[3] < evals[0] < 5.6
 
 
 def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a_keyless_joiner(

@@ -22,6 +22,7 @@ from rich.table import Table
 from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError, require_positive
+from hetero_node.protocol.run_config import OuterConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class DemoConfig:
         default=0, metadata={"help": "Most inner steps per round (0: no cap; = H with --min-inner-steps H: fixed H)."}
     )
     overlap: bool = field(default=False, metadata={"help": "Full replicas train on while a round's exchange runs."})
+    max_contributors: int = field(
+        default=OuterConfig.max_contributors, metadata={"help": "K: messages a round aggregates at most (0: all)."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
     report: Path | None = field(default=None, metadata={"help": "Write the JSON report here."})
     workdir: Path | None = field(
@@ -57,8 +61,8 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "inner_steps", "batch_size", "seq_len", "stages", "lr", "min_inner_steps")
-        if min(self.round_s, self.max_inner_steps, self.seed) < 0:
-            raise ConfigError("--round-s, --max-inner-steps and --seed must not be negative")
+        if min(self.round_s, self.max_inner_steps, self.seed, self.max_contributors) < 0:
+            raise ConfigError("--round-s, --max-inner-steps, --seed and --max-contributors must not be negative")
         if self.full < 0 or self.virtual < 0 or self.full + self.virtual < 1:
             raise ConfigError(f"--full {self.full} --virtual {self.virtual}: the swarm needs at least one replica")
         if self.virtual and self.stages < 2:
@@ -84,7 +88,8 @@ def run_args(cfg: DemoConfig) -> list[str]:
         "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
         "--activation-compression", cfg.activation_compression, "--subspace-rank", str(cfg.subspace_rank),
         "--round-s", str(cfg.round_s), "--min-inner-steps", str(cfg.min_inner_steps),
-        "--max-inner-steps", str(cfg.max_inner_steps), "--seed", str(cfg.seed), *(["--overlap"] if cfg.overlap else []),
+        "--max-inner-steps", str(cfg.max_inner_steps), "--seed", str(cfg.seed),
+        "--max-contributors", str(cfg.max_contributors), *(["--overlap"] if cfg.overlap else []),
     ]  # fmt: skip
 
 

@@ -11,15 +11,18 @@ How a round's messages travel (the design choice the README explains):
    leader; the all-reduce hivemind would run next is skipped (`averager.ShardAverager`). The group forms as soon
    as every member the records show in round t has arrived (a ready barrier), or at the round's deadline plus a
    grace period with whoever is there.
-3. Every member fetches every contributor's message over a P2P stream, checks size and digest, decodes it
+3. Every member computes the same subset of at most K contributors (`--max-contributors`, a new subset each
+   round: `protocol/flat_exchange.py`), fetches each selected message over a P2P stream from its parent in that
+   message's relay tree (the author or a member that already verified it), checks size and digest, decodes it
    strictly, and combines them weighted by tokens, in peer-id order: every member gets the same bits without
-   trusting any peer's arithmetic.
+   trusting any peer's arithmetic. A contributor left out keeps its Δ in its error feedback.
 4. Each member then serves the round's manifest (who contributed, with which digests and weights, the start and
    result fingerprints) and re-serves the messages, so a member that missed the group can rebuild θ(t+1) from
    them (`catch_up.py`) instead of downloading the model.
 
-Each contributor uploads its message to R−1 peers and downloads R−1 messages, i.e. (R−1)·0.0273·N bytes each way
-for SparseLoCo. A butterfly all-reduce of the same sparse vectors would return the union of all selections
+Each member downloads at most K messages and uploads each at most twice (FANOUT), i.e. ≤ K·0.0273·N bytes down and
+≤ 2K·0.0273·N up per round for SparseLoCo whatever the group's size R (all-to-all: (R−1)·0.0273·N each way).
+A butterfly all-reduce of the same sparse vectors would return the union of all selections
 (denser with each peer) and lose the 2-bit value codes; and none of hivemind's partial-average failure modes can
 silently change the result here: a message is either received whole and verified, or dropped by that peer, and
 the next round's fingerprint check catches the disagreement. (hivemind's butterfly all-reduce of dense tensors was
@@ -50,6 +53,7 @@ from hetero_node.client.outer.averager import ShardAverager
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.flat_exchange import relay_parent, selected_contributors
 from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import RunConfig
@@ -62,6 +66,10 @@ PAYLOAD, MANIFEST = "payload", "manifest"
 MAX_MANIFEST_BYTES = 1 << 20
 MOVED_ON_POLL_S = 1.0
 """While looking for a group, check this often whether the others finished the round without us."""
+RELAY_PATIENCE = 0.5
+"""Share of the fetch deadline a member waits for its relay parent to hold a message before asking its author."""
+RELAY_POLL_S = 0.05
+"""First pause between asking a relay parent that does not hold the message yet (doubling up to 1 s)."""
 MAX_TOKENS = 1 << 40
 HEX = re.compile(r"^[0-9a-f]{8,64}$")
 PROOF = re.compile(PROOF_PATTERN)
@@ -124,6 +132,21 @@ class Received(NamedTuple):
     digest: str
 
 
+class Fetched(NamedTuple):
+    """A message's verified bytes, and whether they came from a relay parent rather than their author."""
+
+    data: bytes
+    relayed: bool
+
+
+@dataclass
+class Traffic:
+    """What fetching a round's messages cost this member."""
+
+    received: int = 0
+    relayed: int = 0
+
+
 class Member(NamedTuple):
     """A group member as every member sees it: sorted by `name` (its peer id), the canonical order."""
 
@@ -158,6 +181,10 @@ class ShardOutcome:
     """This member's message is part of the aggregate."""
     dropped: list[str] = field(default_factory=list)
     bytes_received: int = 0
+    deferred: bool = False
+    """This member brought a valid message the round did not select (`--max-contributors`): its Δ stays owed."""
+    messages_relayed: int = 0
+    """Messages it got from a relay parent rather than from their author."""
 
 
 def majority_fingerprint(fingerprints: list[str], vouched: Callable[[], str | None] = lambda: None) -> str:
@@ -288,6 +315,12 @@ class ShardSync:
             self.method.restore(pending.snapshot)
             pending.payload = None
 
+    def defer(self, pending: PendingRound) -> None:
+        """The round aggregated others' messages but not ours: our Δ stays owed in the method's private state."""
+        if pending.payload is not None:
+            self.method.defer(pending.snapshot, pending.payload)
+            pending.payload = None
+
     # ------------------------------------------------------------------------------------------------- finish
 
     def finish(
@@ -344,10 +377,13 @@ class ShardSync:
         return sorted(members)
 
     def _exchange(self, pending: PendingRound, included: list[Member], group_size: int) -> ShardOutcome:
-        """Fetch the contributors' messages, combine them in canonical order, take the outer step, and serve the
-        round's manifest (what we aggregated) so a member that missed the group can rebuild θ(t+1) from it."""
+        """Fetch the selected contributors' messages, combine them in canonical order, take the outer step, and serve
+        the round's manifest (what we aggregated) so a member that missed the group can rebuild θ(t+1) from it."""
         contributors = [m for m in included if m.meta.size > 0]
-        messages, dropped, received = self._collect_messages(pending, contributors)
+        chosen = set(selected_contributors([m.name for m in contributors], self.run.outer.max_contributors,
+                                           pending.meta.start_fp))  # fmt: skip
+        selected = [m for m in contributors if m.name in chosen]
+        messages, dropped, traffic = self._collect_messages(pending, selected, {m.name: m.peer_id for m in included})
         combined = self.method.combine(
             [r.message for r in messages], [float(r.tokens) for r in messages], [r.name for r in messages]
         )
@@ -357,20 +393,20 @@ class ShardSync:
         self._serve_manifest(pending, used, new)
         # our message stays served for KEPT_ROUNDS rounds, so the others fetch it at their pace while we go on
         contributed = any(r.name == self.me for r in used)
-        return ShardOutcome(new, group_size, len(used), contributed, dropped, received)
+        deferred = pending.payload is not None and self.me not in chosen
+        return ShardOutcome(
+            new, group_size, len(used), contributed, dropped, traffic.received, deferred, traffic.relayed
+        )
 
     def _collect_messages(
-        self, pending: PendingRound, contributors: list[Member]
-    ) -> tuple[list[Received], list[str], int]:
-        """Every contributor's decoded message (ours decoded from our own bytes, exactly as the others see it),
-        fetched concurrently and verified; bad ones are dropped. Verified bytes are re-served for catch-up."""
-        others = [m for m in contributors if m.name != self.me]
+        self, pending: PendingRound, selected: list[Member], members: dict[str, Any]
+    ) -> tuple[list[Received], list[str], Traffic]:
+        """Every selected contributor's decoded message (ours decoded from our own bytes, exactly as the others see
+        it), fetched concurrently through the relay trees among `members` and verified; bad ones are dropped."""
+        others = [m for m in selected if m.name != self.me]
 
         async def fetch_all() -> list[Any]:
-            jobs = [
-                self.runtime.fetch_with_retries(m.peer_id, PAYLOAD, self.shard, pending.round, m.meta.size)
-                for m in others
-            ]
+            jobs = [self._fetch_message(pending.round, m, members) for m in others]
             return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeouts.fetch_timeout_s)
 
         try:
@@ -378,28 +414,69 @@ class ShardSync:
         except TimeoutError:
             fetched = {}
         if pending.payload is not None:
-            fetched[self.me] = (pending.round, pending.payload)
-        messages, dropped, received = [], [], 0
-        for name, _, meta in contributors:
+            fetched[self.me] = Fetched(pending.payload, relayed=False)
+        messages, dropped, traffic = [], [], Traffic()
+        for name, _, meta in selected:
             got = fetched.get(name, TimeoutError("fetch deadline passed"))
             if isinstance(got, BaseException):
                 dropped.append(f"{name}: {got!r}")
                 continue
-            data = got[1]
-            received += len(data) if name != self.me else 0
-            if len(data) != meta.size or digest(data) != meta.digest:
-                dropped.append(f"{name}: payload does not match the size/digest it announced")
-                continue
+            data = got.data
+            if name != self.me:
+                traffic.received += len(data)
+                traffic.relayed += got.relayed
             try:
                 messages.append(Received(name, self.method.decode(data), meta.tokens, meta.digest))
             except PayloadError as e:
                 dropped.append(f"{name}: {e}")
                 continue
-            if self.small_messages:
+            if self.small_messages and name == self.me:
                 self.runtime.publish(message_kind(meta.digest), self.shard, pending.round, data)
         for reason in dropped:
             logger.warning("shard %d round %d: dropped contribution %s", self.shard, pending.round, reason)
-        return messages, dropped, received
+        return messages, dropped, traffic
+
+    async def _fetch_message(self, round_: int, author: Member, members: dict[str, Any]) -> Fetched:
+        """`author`'s message, checked against the size and digest the group agreed on, then re-served for our
+        children in its relay tree (and for catch-up). Small messages come from our parent in the tree when that is
+        not the author; the author itself is the fallback."""
+        meta = author.meta
+        if self.small_messages and self.me in members and author.name in members:
+            parent = relay_parent(list(members), author.name, self.me)
+            if parent != author.name:
+                try:
+                    data = await self._fetch_relayed(members[parent], round_, meta)
+                except Exception as e:  # the parent is gone, too slow, or served other bytes
+                    logger.info("shard %d round %d: relay %s failed for %s's message (%r); asking its author",
+                                self.shard, round_, parent, author.name, e)  # fmt: skip
+                else:
+                    self.runtime.publish(message_kind(meta.digest), self.shard, round_, data)
+                    return Fetched(data, relayed=True)
+        _, data = await self.runtime.fetch_with_retries(author.peer_id, PAYLOAD, self.shard, round_, meta.size)
+        if len(data) != meta.size or digest(data) != meta.digest:
+            raise PayloadError("payload does not match the size/digest it announced")
+        if self.small_messages:
+            self.runtime.publish(message_kind(meta.digest), self.shard, round_, data)
+        return Fetched(data, relayed=False)
+
+    async def _fetch_relayed(self, parent: Any, round_: int, meta: GroupMeta) -> bytes:
+        """The message with `meta`'s digest from `parent`, polled until the parent has it (it is fetching it from
+        its own parent meanwhile) or RELAY_PATIENCE of the fetch deadline has passed."""
+        kind = message_kind(meta.digest)
+        give_up = time.monotonic() + RELAY_PATIENCE * self.timeouts.fetch_timeout_s
+        pause = RELAY_POLL_S
+        while True:
+            try:
+                _, data = await self.runtime.fetch_async(parent, kind, self.shard, round_, meta.size)
+            except Exception as e:
+                if f"no {kind}" not in str(e) or time.monotonic() + pause > give_up:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
+                continue
+            if len(data) != meta.size or digest(data) != meta.digest:
+                raise PayloadError(f"relay {parent} served bytes that do not match the agreed digest")
+            return data
 
     # -------------------------------------------------------------------------------------------------- solo
 

@@ -37,6 +37,11 @@ class RoundRecord:
     dropped: list[str] = field(default_factory=list)
     resynced: bool = False
     """This replica trained, but its contribution is not in the round's aggregate (it missed the group)."""
+    deferred: bool = False
+    """Its valid message was left out by the round's selection (`--max-contributors`): the Δ stays owed in its error
+    feedback for a later round (not a resync)."""
+    messages_relayed: int = 0
+    """Round messages it downloaded from a relay parent (a member that verified them first) instead of their author."""
     dense_allreduce_bytes: int = 0
     """What a dense fp32 butterfly all-reduce of the same weights would send per peer in this group."""
     boundary_bytes_sent: int = 0

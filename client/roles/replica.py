@@ -599,9 +599,12 @@ class Replica(ABC):
         self.record_round(flight.round, flight, eval_loss, settled)
 
     def drop_unused(self, flight: InFlight, outcomes: dict[int, ShardOutcome]) -> None:
-        """Our Δ of a shard whose aggregate does not hold our message goes back into the error feedback."""
+        """Our Δ of a shard whose aggregate does not hold our message: owed for a later round when the group left it
+        out by selection, else forgotten (the error feedback goes back to where it was)."""
         for shard, pending in flight.pendings.items():
-            if not outcomes[shard].contributed:
+            if outcomes[shard].deferred and not outcomes[shard].contributed:
+                self.syncs[shard].defer(pending)
+            elif not outcomes[shard].contributed:
                 self.syncs[shard].drop(pending)
 
     def obtain(self, flight: InFlight, shards: list[int]) -> tuple[str, int, dict[int, CaughtUp]]:
@@ -698,6 +701,7 @@ class Replica(ABC):
         outcomes = settled.outcomes.values()
         group = max((o.group_size for o in outcomes), default=0)
         contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
+        deferred = not contributed and any(o.deferred for o in outcomes)
         n_params = sum(p.numel() for ps in self.params.values() for p in ps)
         record = RoundRecord(
             round=round_,
@@ -713,7 +717,9 @@ class Replica(ABC):
             group_size=group,
             contributors=min((o.contributors for o in outcomes), default=0),
             dropped=[d for o in outcomes for d in o.dropped],
-            resynced=trained is not None and not contributed and group != 1,
+            resynced=trained is not None and not contributed and group != 1 and not deferred,
+            deferred=deferred,
+            messages_relayed=sum(o.messages_relayed for o in outcomes),
             dense_allreduce_bytes=int(2 * 4 * n_params * (group - 1) / group) if group > 1 else 0,
             contributed=contributed,
             sat_out=flight is not None and trained is None,

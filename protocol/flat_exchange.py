@@ -1,0 +1,50 @@
+"""What keeps a peer's bytes per round flat as the swarm grows: which messages a round aggregates, and from whom
+each member fetches each of them.
+
+* **A bounded subset of contributors.** A shard's round aggregates at most K messages (`--max-contributors`),
+  chosen by hashing the round's start fingerprint with each contributor's peer id. Every member computes the same
+  subset from the group's gathered metadata (no extra message, nothing to trust), nobody knows the subset before
+  θ(t) exists, and over rounds every contributor gets its turn. A contributor left out keeps its Δ in its error
+  feedback and sends it in a later round, as SparseLoCo already does with everything top-k leaves out.
+* **A relay tree per message.** Each selected message spreads down a binary tree over the group's members,
+  rooted at its author: a member fetches it from its parent, which re-serves the bytes once it has verified them
+  against the digest the group agreed on (a relay cannot alter a message, only delay it; a member whose parent
+  fails fetches from the author). Each member downloads a message once and uploads it at most twice, so a peer
+  moves at most K messages down and 2K up per round whatever R is, and a message reaches everyone after
+  ⌈log2 R⌉ hops instead of its author uploading R − 1 copies.
+
+Pure functions of the group's view: every member builds the same subset and the same trees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+FANOUT = 2
+"""Children per member in a message's relay tree: what each member uploads per selected message."""
+
+
+def selected_contributors(names: Sequence[str], limit: int, start_fp: str) -> list[str]:
+    """The contributors (peer ids) whose messages this round aggregates, in canonical (sorted) order: all of them
+    when `limit` is 0 or not exceeded, else the `limit` with the smallest hash of (start fingerprint, peer id)."""
+    if limit <= 0 or len(names) <= limit:
+        return sorted(names)
+
+    def ticket(name: str) -> bytes:
+        return hashlib.blake2b(f"{start_fp}/{name}".encode(), digest_size=16).digest()
+
+    return sorted(sorted(names, key=ticket)[:limit])
+
+
+def relay_parent(members: Sequence[str], author: str, me: str) -> str:
+    """The member `me` fetches `author`'s message from: its parent in a FANOUT-ary tree over the members in
+    canonical order, rotated so the author is the root (a different tree per author spreads the upload)."""
+    ordered = sorted(members)
+    if author not in ordered or me not in ordered:
+        raise ValueError("the author and the fetching member must both be in the group")
+    start = ordered.index(author)
+    position = (ordered.index(me) - start) % len(ordered)
+    if position == 0:
+        raise ValueError("the author does not fetch its own message")
+    return ordered[(start + (position - 1) // FANOUT) % len(ordered)]

@@ -1,0 +1,84 @@
+"""The flat exchange's rules, in process: the same bounded subset of contributors on every member, rotating over
+rounds; relay trees that reach every member with at most FANOUT uploads each; a left-out Δ kept owed."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from factories import run_config
+
+from hetero_node.protocol.flat_exchange import FANOUT, relay_parent, selected_contributors
+from hetero_node.protocol.outer_methods import DiLoCoMethod, SparseLoCoMethod
+from hetero_node.protocol.run_config import OuterConfig
+
+NAMES = [f"12D3KooW{i:04d}peer" for i in range(16)]
+
+
+def test_every_member_selects_the_same_k_contributors_and_each_gets_its_turn() -> None:
+    assert selected_contributors(NAMES[::-1], 0, "ab" * 8) == sorted(NAMES)  # 0: everyone
+    assert selected_contributors(NAMES[:5], 8, "ab" * 8) == sorted(NAMES[:5])  # fewer than K: everyone
+    picks: Counter[str] = Counter()
+    subsets = set()
+    for round_ in range(400):
+        start_fp = f"{round_:032x}"
+        chosen = selected_contributors(NAMES, 4, start_fp)
+        assert len(chosen) == 4 and chosen == sorted(chosen) and set(chosen) <= set(NAMES)
+        assert selected_contributors(list(reversed(NAMES)), 4, start_fp) == chosen  # arrival order is irrelevant
+        picks.update(chosen)
+        subsets.add(tuple(chosen))
+    assert len(subsets) > 300  # a new subset nearly every round
+    assert set(picks) == set(NAMES) and 60 <= min(picks.values()) <= max(picks.values()) <= 140  # expected 100
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 8, 13, 16, 33, 100])
+def test_each_relay_tree_reaches_every_member_in_log_hops_with_bounded_uploads(size: int) -> None:
+    members = NAMES[:size] if size <= len(NAMES) else [f"peer-{i:05d}" for i in range(size)]
+    uploads: Counter[str] = Counter()
+    for author in members:
+        children: Counter[str] = Counter()
+        for me in members:
+            if me == author:
+                continue
+            node, hops = me, 0
+            while node != author:  # follow parents up to the root
+                parent = relay_parent(members, author, node)
+                assert parent != node
+                node, hops = parent, hops + 1
+                assert hops <= math.floor(math.log2(size))
+            children[relay_parent(members, author, me)] += 1
+        assert max(children.values()) <= FANOUT
+        uploads.update(children)
+    assert max(uploads.values()) <= FANOUT * size  # at most FANOUT per message, summed over every author
+    with pytest.raises(ValueError):
+        relay_parent(members, members[0], members[0])
+    with pytest.raises(ValueError):
+        relay_parent(members, members[0], "not-a-member")
+
+
+SHAPES = [(64, 48), (300,)]
+
+
+def deltas(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [1e-2 * torch.randn(s, generator=gen) for s in SHAPES]
+
+
+def test_a_left_out_message_keeps_its_whole_delta_owed_in_the_error_feedback() -> None:
+    run = run_config()
+    beta = run.sparseloco.ef_decay
+    method = SparseLoCoMethod(SHAPES, run)
+    method.encode(deltas(0))
+    before = [b.clone() for b in method.private_tensors()]
+    encoded = method.encode(deltas(1))
+    sent_out = [b.clone() for b in method.private_tensors()]
+    method.defer(encoded.snapshot, encoded.payload)
+    owed = method.private_tensors()
+    for e0, d, e1, e_sent in zip(before, deltas(1), owed, sent_out, strict=True):
+        torch.testing.assert_close(e1, beta * e0 + d, rtol=0, atol=1e-6)  # nothing of Δ₁ was lost
+        assert not torch.allclose(e_sent, beta * e0 + d)  # (encoding alone had taken the sent part out)
+    dense = DiLoCoMethod(SHAPES, run_config(outer=OuterConfig(outer="diloco")))
+    dense.defer(None, dense.encode(deltas(2)).payload)  # no error feedback: nothing to keep, nothing breaks
+    assert all(int(m.count_nonzero()) == 0 for m in dense.momentum)
