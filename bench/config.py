@@ -366,7 +366,7 @@ class SimConfig:
         if min(self.replica_counts) < 2:
             raise ConfigError(f"--replicas {self.replicas!r}: at least 2 (one full and one virtual in hetero)")
         for flag, values in (("--rank-divisors", self.rank_list), ("--inner-steps", self.h_list),
-                             ("--topk", self.topk_list)):  # fmt: skip
+                             ("--topk", self.topk_list), ("--max-contributors", self.contributor_list)):  # fmt: skip
             if not values:
                 raise ConfigError(f"{flag} must not be empty")
 
@@ -392,11 +392,11 @@ class SimConfig:
 
     @property
     def contributor_list(self) -> list[int]:
-        return (
-            [0]
-            if self.max_contributors.strip() == "0"
-            else positive_int_list(self.max_contributors, "--max-contributors")
-        )
+        """K values; 0 (every replica's message) is allowed here, unlike in the other lists."""
+        values = [v.strip() for v in self.max_contributors.split(",") if v.strip()]
+        if not values or not all(v.isdigit() for v in values):
+            raise ConfigError(f"--max-contributors {self.max_contributors!r}: comma-separated integers ≥ 0")
+        return [int(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -437,10 +437,15 @@ class ExchangeScalingConfig:
         default=2.5,
         metadata={"help": "Round length per replica, in s (R processes share this machine's cores; 0: H steps)."},
     )
+    max_contributors: int = field(
+        default=4, metadata={"help": "K of every swarm (the run's --max-contributors; 0: every member's message)."}
+    )
     out: Path = field(default=Path("bench/results/exchange-scaling"), metadata={"help": "Results directory."})
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "inner_steps")
         if self.round_s_per_replica < 0:
             raise ConfigError(f"--round-s-per-replica must not be negative, got {self.round_s_per_replica}")
+        if self.max_contributors < 0:
+            raise ConfigError(f"--max-contributors must be ≥ 0, got {self.max_contributors}")
         positive_int_list(self.replicas, "--replicas")  # a bad list fails here, before any work

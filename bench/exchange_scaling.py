@@ -1,11 +1,13 @@
-"""`hetero-node bench-exchange`: bytes each full replica downloads per round as the swarm grows, measured on
-loopback (`hetero-node demo`, real processes) and next to what the cost model says for today's all-to-all
-exchange and for a butterfly one.
+"""`hetero-node bench-exchange`: bytes each full replica moves per round as the swarm grows, measured on loopback
+(`hetero-node demo`, real processes) next to what the cost model says for today's exchange (at most K messages a
+round through relay trees), the all-to-all one before it, and a butterfly.
 
-Measured = the round's message bytes a replica counted downloading, in rounds it contributed to from its group
-(round 0 is left out: peers are still arriving), mean and max over replicas and rounds, with the sizes of the
-groups that formed: on a small machine a large swarm's rounds can split into several smaller groups, and the model
-is also given at those sizes.
+Measured, over rounds ≥ 1 (round 0: peers are still arriving) a replica got from its group (contributed, or left out
+by the selection), mean and max over replicas and rounds: down = the round's message bytes it downloaded; up = the
+blob bytes it served since its previous record (messages, manifests), which counts a message in the round its
+fetchers came for it, so a single round's figure can hold two rounds' worth. The sizes of the groups that formed are
+given too: on a small machine a large swarm's rounds can split into smaller groups, and the model is also given at
+those sizes.
 """
 
 from __future__ import annotations
@@ -35,17 +37,17 @@ def demo_argv(cfg: ExchangeScalingConfig, replicas: int, report: Path) -> list[s
     return [
         *CLI, "demo", "--preset", "tiny", "--full", str(replicas), "--virtual", "0", "--rounds", str(cfg.rounds),
         "--inner-steps", str(cfg.inner_steps), "--batch-size", "4", "--seq-len", "64", "--report", str(report),
-        "--round-s", str(cfg.round_s_per_replica * replicas),
+        "--round-s", str(cfg.round_s_per_replica * replicas), "--max-contributors", str(cfg.max_contributors),
     ]  # fmt: skip
 
 
-def measured_downloads(report: dict[str, Any]) -> list[tuple[int, int]]:
-    """(group size, bytes downloaded) per replica per round, over rounds ≥ 1 it contributed to from its group."""
+def measured_traffic(report: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """(group size, bytes downloaded, bytes served) per replica per round, over rounds ≥ 1 it got from its group."""
     return [
-        (r["group_size"], r["bytes_received"])
+        (r["group_size"], r["bytes_received"], r["bytes_sent"])
         for peer in report["peers"]
         for r in peer["rounds"]
-        if r["round"] >= 1 and r.get("contributed") and not r.get("caught_up")
+        if r["round"] >= 1 and r["group_size"] >= 2 and not r.get("caught_up")
     ]
 
 
@@ -62,16 +64,21 @@ def run_exchange_scaling(cfg: ExchangeScalingConfig, progress: Progress | None =
         done = subprocess.run(demo_argv(cfg, replicas, path), capture_output=True, text=True, check=False)
         if done.returncode != 0 or not path.exists():
             raise HeteroNodeError(f"the {replicas}-replica demo failed: {done.stderr.strip()[-500:]}")
-        samples = measured_downloads(json.loads(path.read_text()))
-        groups = [g for g, _ in samples]
+        samples = measured_traffic(json.loads(path.read_text()))
+        groups = [g for g, _, _ in samples]
+        k = cfg.max_contributors
         rows.append({
             "replicas": replicas,
             "message_bytes": message,
+            "max_contributors": k,
             "group_sizes": [min(groups), max(groups)] if groups else None,
-            "measured_mean": statistics.mean(b for _, b in samples) if samples else None,
-            "measured_max": max((b for _, b in samples), default=None),
-            "model_at_groups": statistics.mean(exchange_bytes(message, g, "all-to-all") for g in groups or [0]),
+            "down_mean": statistics.mean(d for _, d, _ in samples) if samples else None,
+            "down_max": max((d for _, d, _ in samples), default=None),
+            "up_mean": statistics.mean(u for _, _, u in samples) if samples else None,
+            "up_max": max((u for _, _, u in samples), default=None),
+            "model_at_groups": statistics.mean(exchange_bytes(message, g, "relay-tree", k) for g in groups or [0]),
             "samples": len(samples),
+            "model_relay_tree": exchange_bytes(message, replicas, "relay-tree", k),
             "model_all_to_all": exchange_bytes(message, replicas, "all-to-all"),
             "model_butterfly": exchange_bytes(message, replicas, "butterfly"),
         })  # fmt: skip
@@ -84,23 +91,27 @@ def run_exchange_scaling(cfg: ExchangeScalingConfig, progress: Progress | None =
 
 
 def render_markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    k = rows[0]["max_contributors"] if rows else 0
     lines = [
-        "# Bytes a full replica downloads per round (tiny, loopback)",
+        f"# Bytes a full replica moves per round (tiny, loopback, --max-contributors {k})",
         "",
-        "| replicas | message KB | groups formed (sizes) | measured KB (mean / max, n) | "
-        "model at the groups formed KB | model at R: all-to-all KB | model at R: butterfly KB |",
-        "|---|---|---|---|---|---|---|",
+        "| replicas | message KB | groups formed (sizes) | measured down KB (mean / max, n) | measured up KB (mean "
+        "/ max) | model at the groups formed KB | model at R: today KB | all-to-all KB | butterfly KB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"]:
+    for r in rows:
         if r["samples"]:
             low, high = r["group_sizes"]
             formed = f"{low}–{high}" if low != high else str(low)
-            measured = f"{r['measured_mean'] / 1e3:,.1f} / {r['measured_max'] / 1e3:,.1f} ({r['samples']})"
+            down = f"{r['down_mean'] / 1e3:,.1f} / {r['down_max'] / 1e3:,.1f} ({r['samples']})"
+            up = f"{r['up_mean'] / 1e3:,.1f} / {r['up_max'] / 1e3:,.1f}"
             at_groups = f"{r['model_at_groups'] / 1e3:,.1f}"
         else:
-            formed, measured, at_groups = "none", "no contributed rounds", ""
+            formed, down, up, at_groups = "none", "no rounds from a group", "", ""
         lines.append(
-            f"| {r['replicas']} | {r['message_bytes'] / 1e3:,.1f} | {formed} | {measured} | {at_groups} | "
-            f"{r['model_all_to_all'] / 1e3:,.1f} | {r['model_butterfly'] / 1e3:,.1f} |"
+            f"| {r['replicas']} | {r['message_bytes'] / 1e3:,.1f} | {formed} | {down} | {up} | {at_groups} | "
+            f"{r['model_relay_tree'] / 1e3:,.1f} | {r['model_all_to_all'] / 1e3:,.1f} | "
+            f"{r['model_butterfly'] / 1e3:,.1f} |"
         )
     return "\n".join([*lines, ""])

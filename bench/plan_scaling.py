@@ -1,6 +1,6 @@
 """`hetero-node bench-plan`: the cost model's weak scaling from 10 to 1,000 volunteers, for today's protocol, the
-one before it (later stages fetching T_fixed whole) and the flat exchange, with the planner choosing roles,
-virtual replicas, rank and H at every size.
+ones before it (later stages fetching T_fixed whole; every member fetching every message) and a butterfly, with
+the planner choosing roles, virtual replicas, rank and H at every size.
 
 A swarm of n is the first n nodes of the swarm file's nodes in a fixed shuffle (seed 0), so every size has the
 file's mix. Weak scaling = the swarm's predicted tokens/s over the sum of each node's solo full-model tokens/s (a
@@ -28,11 +28,13 @@ from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseL
 PLOT = "weak_scaling.png"
 DESIGNS = {
     "dense T_fixed (before)": ("all-to-all", "dense"),
-    "today": ("all-to-all", "changes"),
+    "all-to-all (before)": ("all-to-all", "changes"),
+    "today": ("relay-tree", "changes"),
     "butterfly": ("butterfly", "changes"),
 }
-"""design → (exchange, T_fixed upkeep): the protocol before T_fixed followed E_S's changes, today's, and today's
-with the flat exchange issue 14 asks for (modelled)."""
+"""design → (exchange, T_fixed upkeep): the protocol before T_fixed followed E_S's changes, the one before the flat
+exchange, today's (at most K = `--max-contributors` messages a round through relay trees), and a butterfly
+exchange (modelled only)."""
 
 
 def run_plan_scaling(cfg: PlanScalingConfig, progress: Progress | None = None) -> dict[str, Any]:

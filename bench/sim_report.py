@@ -172,9 +172,9 @@ def finding_selective(cells: dict[str, CellSummary]) -> list[str]:
 NOTE = (
     "Eval loss: mean ± std over seeds of θ after the last round, on the held-out batches; gaps are paired by seed "
     "(mean ± std of the per-seed relative differences). Bytes: per replica per round, from the encoded payloads "
-    "(SparseLoCo: R−1 messages downloaded; DiLoCo: 2(R−1)/R of the dense buffer; ddp: the same per step; message: "
-    "one replica's own, ddp's one step's gradients; boundaries: every activation and gradient message; T_fixed: the "
-    "entries of E_S each later stage of a VR downloads to rebuild it, 8 bytes each)."
+    "(SparseLoCo: R−1 messages downloaded, K(R−1)/R with K of R contributors; DiLoCo: 2(R−1)/R of the dense buffer; "
+    "ddp: the same per step; message: one replica's own, ddp's one step's gradients; boundaries: every activation "
+    "and gradient message; T_fixed: the entries of E_S each later stage of a VR downloads to rebuild it, 8 bytes each)."
 )
 
 

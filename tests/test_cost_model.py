@@ -20,6 +20,7 @@ from hetero_node.client.swarm.cost_model import (
     LinkModel,
     RunShape,
     exchange_bytes,
+    exchange_hops,
     predict_round,
 )
 from hetero_node.client.swarm.planner import PeerInfo
@@ -32,7 +33,7 @@ GB = 10**9
 # 100 tokens per step, H = 10, two stages of equal compute, messages of 1000 and 3000 bytes per shard.
 SHAPE = RunShape(
     tokens_per_step=100, inner_steps=10, stages=2, microbatches=2, min_inner_steps=1, overlap=False,
-    shard_message_bytes=(1000, 3000), stage_compute_share=(0.5, 0.5), boundary_forward_bytes=50,
+    shard_message_bytes=(1000, 3000), max_contributors=0, stage_compute_share=(0.5, 0.5), boundary_forward_bytes=50,
     boundary_backward_bytes=40, fixed_table_bytes=0, embedding_density=0.1, full_memory_bytes=10 * GB,
     stage_memory_bytes=(5 * GB, 5 * GB),
     rank=16, d_model=128,
@@ -86,6 +87,21 @@ def test_butterfly_bytes_stay_flat_while_all_to_all_grows_with_the_swarm() -> No
         assert exchange_bytes(1000, replicas, "all-to-all") == (replicas - 1) * 1000
         assert exchange_bytes(1000, replicas, "butterfly") == pytest.approx(2000 * (replicas - 1) / replicas)
     assert exchange_bytes(1000, 1, "all-to-all") == exchange_bytes(1000, 1, "butterfly") == 0
+
+
+def test_relay_tree_bytes_stay_flat_at_k_messages_and_the_tree_adds_a_round_trip_per_level() -> None:
+    for replicas in (2, 4, 16, 1000):
+        k = min(replicas, 8)
+        assert exchange_bytes(1000, replicas, "relay-tree", 8) == pytest.approx(k * 1000 * (replicas - 1) / replicas)
+        assert exchange_bytes(1000, replicas, "relay-tree", 0) == pytest.approx((replicas - 1) * 1000)  # K = 0: all
+    assert [exchange_hops(c, "relay-tree") for c in (2, 3, 4, 5, 16, 17, 1000)] == [1, 2, 2, 3, 4, 5, 10]
+    assert exchange_hops(1000, "all-to-all") == 1
+    swarm = {f"n{i}": peer(f"n{i}", 100, 8) for i in range(16)}
+    shape = dataclasses.replace(SHAPE, max_contributors=4, fixed_table_bytes=600)
+    p = predict_round(swarm, Assignment(tuple(sorted(swarm))), shape, LinkModel(overhead_bytes=0, rtt_ms=100))
+    assert p.contributors == 16  # everyone trains; 4 messages per shard are aggregated
+    assert p.nodes["n0"].bytes_down == pytest.approx(4 * 4000 * 15 / 16)
+    assert p.nodes["n0"].exchange_s == pytest.approx(4 * 4000 * 15 / 16 * 8 / 8e6 + 1.0 + 4 * 0.1)  # 4 tree levels
 
 
 def test_later_stages_fetch_the_changed_entries_or_the_fixed_table_from_shard_0_holders() -> None:
@@ -245,23 +261,30 @@ def test_bench_plan_reports_every_size_and_design_and_butterfly_never_moves_more
         by_design = {r["design"]: r["best"] for r in rows if r["nodes"] == n}
         today = by_design["today"]["max_bytes_down_per_peer"]
         assert by_design["butterfly"]["max_bytes_down_per_peer"] <= today
-        assert today <= by_design["dense T_fixed (before)"]["max_bytes_down_per_peer"]
+        assert today <= by_design["all-to-all (before)"]["max_bytes_down_per_peer"]
+        assert (
+            by_design["all-to-all (before)"]["max_bytes_down_per_peer"]
+            <= (by_design["dense T_fixed (before)"]["max_bytes_down_per_peer"])
+        )
         assert all(0 < b["weak_scaling"] <= b["used_scaling"] <= 1 for b in by_design.values())
     assert (cfg.out / PLOT).read_bytes().startswith(b"\x89PNG")
     assert "| 8 | today |" in (cfg.out / "report.md").read_text()
 
 
-def test_bench_exchange_counts_only_rounds_a_replica_contributed_to_from_its_group() -> None:
-    from hetero_node.bench.exchange_scaling import measured_downloads, render_markdown
+def test_bench_exchange_counts_only_rounds_a_replica_got_from_its_group() -> None:
+    from hetero_node.bench.exchange_scaling import measured_traffic, render_markdown
 
     rounds = [
-        {"round": 0, "group_size": 2, "bytes_received": 1, "contributed": True, "caught_up": ""},  # still arriving
-        {"round": 1, "group_size": 2, "bytes_received": 500, "contributed": True, "caught_up": ""},
-        {"round": 2, "group_size": 0, "bytes_received": 9000, "contributed": False, "caught_up": "state"},
-        {"round": 3, "group_size": 3, "bytes_received": 700, "contributed": True, "caught_up": ""},
+        {"round": 0, "group_size": 2, "bytes_received": 1, "bytes_sent": 1, "caught_up": ""},  # still arriving
+        {"round": 1, "group_size": 2, "bytes_received": 500, "bytes_sent": 400, "caught_up": ""},
+        {"round": 2, "group_size": 0, "bytes_received": 9000, "bytes_sent": 0, "caught_up": "state"},
+        {"round": 3, "group_size": 3, "bytes_received": 700, "bytes_sent": 900, "caught_up": ""},  # left out: counts
+        {"round": 4, "group_size": 1, "bytes_received": 0, "bytes_sent": 0, "caught_up": ""},  # alone: no exchange
     ]
-    assert measured_downloads({"peers": [{"rounds": rounds}]}) == [(2, 500), (3, 700)]
-    row = {"replicas": 4, "message_bytes": 26000, "group_sizes": [3, 4], "measured_mean": 80000.0,
-           "measured_max": 81000, "model_at_groups": 70000, "samples": 6, "model_all_to_all": 78000,
-           "model_butterfly": 39000}  # fmt: skip
-    assert "| 4 | 26.0 | 3–4 | 80.0 / 81.0 (6) | 70.0 | 78.0 | 39.0 |" in render_markdown({"rows": [row]})
+    assert measured_traffic({"peers": [{"rounds": rounds}]}) == [(2, 500, 400), (3, 700, 900)]
+    row = {"replicas": 8, "message_bytes": 26000, "max_contributors": 4, "group_sizes": [7, 8], "down_mean": 90000.0,
+           "down_max": 104000, "up_mean": 95000.0, "up_max": 180000, "model_at_groups": 90000, "samples": 6,
+           "model_relay_tree": 91000, "model_all_to_all": 182000, "model_butterfly": 45500}  # fmt: skip
+    out = render_markdown({"rows": [row]})
+    assert "--max-contributors 4" in out
+    assert "| 8 | 26.0 | 7–8 | 90.0 / 104.0 (6) | 95.0 / 180.0 | 90.0 | 91.0 | 182.0 | 45.5 |" in out

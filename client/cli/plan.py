@@ -34,8 +34,8 @@ class PlanConfig:
         metadata={"help": "Plan a live swarm instead: its bootstrap's multiaddr (nodes, roles and run from the DHT)."},
     )
     exchange: str = field(
-        default="all-to-all",
-        metadata={"help": f"Outer exchange to model: {', '.join(EXCHANGES)} (today's swarm runs all-to-all)."},
+        default="relay-tree",
+        metadata={"help": f"Outer exchange to model: {', '.join(EXCHANGES)} (today's swarm runs relay-tree)."},
     )
     table_upkeep: str = field(
         default="changes",

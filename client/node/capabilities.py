@@ -67,6 +67,7 @@ def run_requirements(run: RunConfig) -> Requirements:
         replica_round_bytes=message,
         tokens_per_round=run.outer.inner_steps * run.batch_size * run.seq_len,
         comm_fraction=COMM_FRACTION,
+        max_contributors=run.outer.max_contributors,
     )
 
 

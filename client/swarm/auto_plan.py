@@ -78,6 +78,7 @@ def requirements(shape: RunShape) -> Requirements:
         stage_memory_bytes=shape.stage_memory_bytes,
         replica_round_bytes=shape.message_bytes,
         tokens_per_round=shape.inner_steps * shape.tokens_per_step,
+        max_contributors=shape.max_contributors,
     )
 
 

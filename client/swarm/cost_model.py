@@ -10,14 +10,16 @@ One round, as the protocol runs it:
   its node's speed, plus its boundary traffic at its link), plus a one-way latency per boundary each way;
 * the training window is H steps of the fastest replica (`--round-s 0`); each replica trains the whole steps
   that fit and sits the round out below `min_inner_steps`;
-* the exchange: per shard a member holds, all-to-all (today) downloads every other member's message and serves
-  its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two messages each way
-  whatever R is. Stages without the embedding also keep T_fixed current every round: today by downloading the
-  entries of E_S the aggregate changed, 8 bytes each, never more than the table ("changes"; the union of the
-  contributors' selections, about 1 − (1 − ρ)^C of the table for C contributors selecting a fraction ρ each), or
-  the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead (DHT records,
-  matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a matchmaking overhead
-  and a round trip;
+* the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
+  (all C when K is 0 or ≥ C) to every member through per-author relay trees, K(C − 1)/C messages each way on
+  average, plus a round trip per tree level (⌈log2 C⌉); all-to-all (the protocol before) downloads every other
+  member's message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves
+  about two messages each way whatever C is. Stages without the embedding also keep T_fixed current every round:
+  today by downloading the entries of E_S the aggregate changed, 8 bytes each, never more than the table ("changes";
+  the union of the aggregated messages' selections, about 1 − (1 − ρ)^C of the table for C messages selecting a
+  fraction ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead
+  (DHT records, matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a
+  matchmaking overhead and a round trip;
 * the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
   behind the next window, so the round is the longer of the two (stage peers still wait theirs out).
 """
@@ -33,8 +35,9 @@ from functools import cache
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.protocol.run_config import RunConfig
 
-EXCHANGES = ("all-to-all", "butterfly")
-"""all-to-all: what the swarm runs today (O(R) messages per peer); butterfly: the flat alternative, modelled."""
+EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
+"""relay-tree: what the swarm runs today (at most K messages per round, spread through relay trees); all-to-all: the
+protocol before it (O(R) messages per peer); butterfly: another flat alternative, modelled only."""
 TABLE_UPKEEPS = ("changes", "dense")
 """changes: later stages download the entries of E_S the outer step changed (today); dense: the whole T_fixed."""
 
@@ -50,6 +53,7 @@ class RunShape:
     min_inner_steps: int
     overlap: bool
     shard_message_bytes: tuple[int, ...]  # one replica's outer message per shard
+    max_contributors: int  # K: messages a round aggregates at most (0: all)
     stage_compute_share: tuple[float, ...]  # each stage's fraction of the model's training FLOPs
     boundary_forward_bytes: int  # what one boundary carries forward per inner step (all microbatches)
     boundary_backward_bytes: int
@@ -105,6 +109,7 @@ def _shape(run: RunConfig) -> RunShape:
         min_inner_steps=run.outer.min_inner_steps,
         overlap=run.outer.overlap,
         shard_message_bytes=messages,
+        max_contributors=run.outer.max_contributors,
         stage_compute_share=tuple(f / sum(flops) for f in flops),
         boundary_forward_bytes=micro * fmt.message_bytes(FORWARD, per_micro, run.seq_len),
         boundary_backward_bytes=micro * fmt.message_bytes(BACKWARD, per_micro, run.seq_len),
@@ -139,7 +144,7 @@ class LinkModel:
 
     rtt_ms: float = 0.0
     matchmaking_s: float = 1.0
-    exchange: str = "all-to-all"
+    exchange: str = "relay-tree"
     table_upkeep: str = "changes"
     overhead_bytes: float = 0.53e6
     """What a member sends (and receives) per round besides messages: DHT records, matchmaking, manifests,
@@ -236,13 +241,28 @@ def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, links: LinkMode
     return (shape.microbatches + shape.stages - 1) * max(slots) + latency
 
 
-def exchange_bytes(nbytes: float, contributors: int, exchange: str) -> float:
-    """Bytes each way one member moves for one shard whose message is `nbytes`, among `contributors`."""
+def aggregated(contributors: int, limit: int) -> int:
+    """Messages a round aggregates: at most `limit` (K; 0: no limit) of the contributors'."""
+    return min(contributors, limit) if limit > 0 else contributors
+
+
+def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int = 0) -> float:
+    """Bytes each way one member moves (on average) for one shard whose message is `nbytes`, among `contributors`,
+    at most `limit` of whose messages are aggregated (relay-tree only)."""
     if contributors < 2:
         return 0.0
     if exchange == "all-to-all":
         return (contributors - 1) * nbytes
+    if exchange == "relay-tree":  # K messages, each to C − 1 members, the uploads spread over the C members
+        return aggregated(contributors, limit) * nbytes * (contributors - 1) / contributors
     return 2 * nbytes * (contributors - 1) / contributors  # reduce-scatter, then all-gather, of 1/R parts
+
+
+def exchange_hops(contributors: int, exchange: str) -> int:
+    """Round trips a message's trip takes: its relay tree's depth (relay-tree), else one."""
+    if exchange == "relay-tree" and contributors > 2:
+        return math.ceil(math.log2(contributors))
+    return 1
 
 
 def predict_round(
@@ -256,6 +276,7 @@ def predict_round(
     steps = [int(window / s + 1e-9) if math.isfinite(s) else 0 for s in step_s]
     steps = [n if n >= shape.min_inner_steps else 0 for n in steps]
     contributors = sum(1 for n in steps if n)
+    limit = shape.max_contributors if links.exchange == "relay-tree" else 0
 
     members: list[tuple[str, str, int, int, tuple[int, ...]]] = []  # (peer, role, replica, stage, shards held)
     members += [(p, "full", i, -1, tuple(range(shape.stages))) for i, p in enumerate(assignment.full)]
@@ -272,14 +293,17 @@ def predict_round(
         up = down = 0.0  # the round's exchange: messages of the shards held, T_fixed, protocol overhead
         if n:
             up = down = links.overhead_bytes + sum(
-                exchange_bytes(shape.shard_message_bytes[s], contributors, links.exchange) for s in shards
+                exchange_bytes(shape.shard_message_bytes[s], contributors, links.exchange, limit) for s in shards
             )
-            table_down, table_up = _table_upkeep_bytes(shape, links, contributors, shard0_holders, table_fetchers)
+            table_down, table_up = _table_upkeep_bytes(
+                shape, links, aggregated(contributors, limit), shard0_holders, table_fetchers
+            )
             if stage > 0:
                 down += table_down
             else:
                 up += table_up
-        exchange_s = _transfer_s(up, down, peer) + links.matchmaking_s + links.rtt_ms / 1e3 if n else 0.0
+        latency = exchange_hops(contributors, links.exchange) * links.rtt_ms / 1e3
+        exchange_s = _transfer_s(up, down, peer) + links.matchmaking_s + latency if n else 0.0
         if role == "stage":
             b_up, b_down = boundary_bytes(stage, shape)
             up, down = up + n * b_up, down + n * b_down
@@ -294,14 +318,15 @@ def predict_round(
 
 
 def _table_upkeep_bytes(
-    shape: RunShape, links: LinkModel, contributors: int, holders: int, fetchers: int
+    shape: RunShape, links: LinkModel, messages: int, holders: int, fetchers: int
 ) -> tuple[float, float]:
-    """(what a later stage downloads, what each shard-0 holder uploads) per round to keep T_fixed current."""
+    """(what a later stage downloads, what each shard-0 holder uploads) per round to keep T_fixed current, when the
+    outer step aggregated `messages` messages."""
     if not shape.fixed_table_bytes or not holders:
         return 0.0, 0.0
     down = float(shape.fixed_table_bytes)
     if links.table_upkeep == "changes":  # the union of the contributors' selections: 4 of 8 bytes per entry
-        changed = 1 - (1 - shape.embedding_density) ** contributors
+        changed = 1 - (1 - shape.embedding_density) ** messages
         down = min(down, 2 * changed * shape.fixed_table_bytes)
     return down, down * fetchers / holders
 

@@ -43,6 +43,7 @@ class Requirements:
     replica_round_bytes: int  # SparseLoCo message bytes ONE replica produces per round (all shards)
     tokens_per_round: int  # H × batch × seq_len
     comm_fraction: float = 0.1  # a full replica's round traffic must fit in this fraction of its round compute time
+    max_contributors: int = 0  # K: messages a round aggregates at most (0: all), what one member moves at most
 
     def __post_init__(self) -> None:
         # A list is accepted and stored as a tuple, so the object stays hashable and immutable.
@@ -120,10 +121,11 @@ def fitting_stages(peer: PeerInfo, req: Requirements) -> tuple[int, ...]:
 def round_traffic_seconds(peer: PeerInfo, req: Requirements, replicas: int) -> float:
     """Seconds a full replica on this peer spends on one round's exchange with `replicas` others.
 
-    It uploads its message to each other replica and downloads each of theirs (up = down = message × replicas),
-    both at once, so the slower direction decides. A zero rate with traffic to move is infinitely slow.
+    It downloads each aggregated message (at most K of theirs) and relays as much (up = down = message × min(replicas,
+    K)), both at once, so the slower direction decides. A zero rate with traffic to move is infinitely slow.
     """
-    nbytes = req.replica_round_bytes * replicas
+    messages = min(replicas, req.max_contributors) if req.max_contributors > 0 else replicas
+    nbytes = req.replica_round_bytes * messages
     if nbytes <= 0:
         return 0.0
     slowest = min(peer.upload_mbps, peer.download_mbps)
