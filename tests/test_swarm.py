@@ -51,11 +51,15 @@ def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
     assert evals[2] < evals[0] < 5.6  # ln(256) ≈ 5.55 at init
 
 
-def test_four_replicas_aggregate_two_messages_a_round_through_relay_trees_and_agree(tmp_path: Path) -> None:
-    """--max-contributors 2: each round aggregates 2 of the 4 messages, the others stay owed; members fetch some
-    messages from a relay parent; nobody downloads more than 2 messages' worth in a round it got from its group."""
+def test_four_replicas_aggregate_three_messages_a_round_through_relay_trees_past_a_lying_relay(
+    tmp_path: Path,
+) -> None:
+    """--max-contributors 3: each shard's round aggregates 3 of the 4 messages, the fourth stays owed; members fetch
+    messages from relay parents, and r3, which re-serves others' messages corrupted, is caught by the digest and
+    bypassed; nobody downloads more than 3 messages' worth in a round it got from its group."""
     with LocalSwarm(tmp_path) as swarm:
-        start_replicas(swarm, 4, tmp_path, rounds=4, run_extra={"max_contributors": "2"})
+        peers = start_replicas(swarm, 3, tmp_path, rounds=4, run_extra={"max_contributors": "3"}, min_peers="4")
+        swarm.start("r3", join_args(peers, 3, tmp_path, min_peers="4"), program=[*FAULTY_PEER, "bad-relay"])
         assert_all_exit_cleanly(swarm, [f"r{i}" for i in range(4)])
     replicas = [rounds_of(tmp_path, i) for i in range(4)]
     run = sizing_run(RunOptions(preset="tiny", batch_size=8, seq_len=64), OuterConfig(stages=2), OptimConfig(),
@@ -65,14 +69,16 @@ def test_four_replicas_aggregate_two_messages_a_round_through_relay_trees_and_ag
         records = [r[t] for r in replicas]
         assert len({json.dumps(r["fingerprints"], sort_keys=True) for r in records}) == 1, f"round {t} disagrees"
         for r in records:
-            assert r["contributors"] <= 2 and not r["dropped"]
+            assert r["contributors"] <= 3 and not r["dropped"]
             if not r["caught_up"]:
-                assert r["bytes_received"] <= 2 * message
+                assert r["bytes_received"] <= 3 * message
             assert not (r["deferred"] and (r["contributed"] or r["resynced"]))
     grouped = [rec for r in replicas for rec in r.values() if rec["group_size"] == 4]
     assert grouped, "the four never formed one group"
     assert any(rec["deferred"] for rec in grouped) and any(rec["contributed"] for rec in grouped)
     assert any(rec["messages_relayed"] > 0 for rec in grouped), "no message went through a relay parent"
+    logs = "".join((tmp_path / f"r{i}.log").read_text() for i in range(3))
+    assert "served bytes that do not match the agreed digest" in logs, "nobody fetched from the lying relay"
     evals = eval_losses(replicas, range(4))
     assert evals[3] < evals[0] < 5.6
 

@@ -1,7 +1,8 @@
 """A peer that trains honestly but serves a corrupted SparseLoCo payload (fault injection for the tests).
 
-Usage: python tests/peers/faulty_peer.py {garbage|nan|truncated} <hetero-node args...>
-It patches the encoder the node uses, then runs the real CLI, so everything else is the product code path.
+Usage: python tests/peers/faulty_peer.py {garbage|nan|truncated|bad-relay} <hetero-node args...>
+It patches the encoder the node uses (bad-relay: what it re-serves of others' messages as a relay), then runs the
+real CLI, so everything else is the product code path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import struct
 import sys
 
 from hetero_node.client.cli import app
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol import sparse_codec
 
 MODE = sys.argv.pop(1)
@@ -29,5 +31,15 @@ def corrupted_encode(msg: object) -> bytes:
     raise SystemExit(f"unknown fault {MODE}")
 
 
-sparse_codec.encode = corrupted_encode  # what the node encodes its messages with; decode stays honest
+def corrupted_relay(self: PeerRuntime, kind: str, shard: int, round_: int, data: object) -> None:
+    if kind.startswith("msg:") and isinstance(data, bytes):  # a message it verified and now re-serves
+        data = bytes(b ^ 0x5A for b in data)
+    honest_publish(self, kind, shard, round_, data)
+
+
+if MODE == "bad-relay":
+    honest_publish = PeerRuntime.publish
+    PeerRuntime.publish = corrupted_relay  # type: ignore[method-assign]
+else:
+    sparse_codec.encode = corrupted_encode  # what the node encodes its messages with; decode stays honest
 app.main()
