@@ -443,10 +443,14 @@ class ShardSync:
         meta = author.meta
         if self.small_messages and self.me in members and author.name in members:
             parent = relay_parent(list(members), author.name, self.me)
-            if parent != author.name:
+            if parent != author.name and parent not in self.runtime.lying_relays:
                 try:
                     data = await self._fetch_relayed(members[parent], round_, meta)
-                except Exception as e:  # the parent is gone, too slow, or served other bytes
+                except PayloadError as e:  # it verified nothing, or altered what it verified: never again
+                    self.runtime.lying_relays.add(parent)
+                    logger.warning("shard %d round %d: %s; fetching from authors instead of it from now on",
+                                   self.shard, round_, e)  # fmt: skip
+                except Exception as e:  # the parent is gone or too slow
                     logger.info("shard %d round %d: relay %s failed for %s's message (%r); asking its author",
                                 self.shard, round_, parent, author.name, e)  # fmt: skip
                 else:

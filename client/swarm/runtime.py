@@ -217,6 +217,9 @@ class PeerRuntime:
         self._last_request = 0.0
         self.bytes_served_total = 0
         """Every blob byte served so far (what a round's `bytes_sent` is taken from)."""
+        self.lying_relays: set[str] = set()
+        """Peers that re-served a round's message with bytes not matching its agreed digest: every shard fetches
+        from authors instead of them from then on (`ShardSync`)."""
         self._record: tuple[PeerRecord | None, float] = (None, 0.0)
         self._heartbeat: Any = None
         self.p2p = self.run(self.dht.replicate_p2p())
