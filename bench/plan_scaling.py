@@ -70,16 +70,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"# Weak scaling by the cost model: {c['preset']}, batch {c['batch_size']} × {c['seq_len']}, "
         f"{c['stages']} stages, H from {c['h_choices']} ({c['swarm']})",
         "",
-        "| nodes | design | full + virtual replicas (idle) | H / rank | round s | tokens/s | "
+        "| nodes | design | full + virtual replicas (idle) | messages aggregated per round | H / rank | round s | "
+        "tokens/s | "
         "weak scaling (all / training) | max MB per peer per round (up / down) | "
         "today's rules: tokens/s, weak scaling |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         b, rules = r["best"], r["rules"]
         lines.append(
             f"| {r['nodes']:,} | {r['design']} | {b['full_replicas']} + {b['virtual_replicas']} ({r['idle']}) | "
-            f"{b['inner_steps']} / {b['rank'] or 'dense'} | {b['round_s']:,.1f} | {b['tokens_per_s']:,.0f} | "
+            f"{b['aggregated']} of {b['contributors']} | {b['inner_steps']} / {b['rank'] or 'dense'} | "
+            f"{b['round_s']:,.1f} | {b['tokens_per_s']:,.0f} | "
             f"{b['weak_scaling']:.0%} / {b['used_scaling']:.0%} | {b['max_bytes_up_per_peer'] / 1e6:,.1f} / "
             f"{b['max_bytes_down_per_peer'] / 1e6:,.1f} | {rules['tokens_per_s']:,.0f}, {rules['weak_scaling']:.0%} |"
         )

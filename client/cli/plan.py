@@ -144,6 +144,7 @@ def choice_summary(choice: Choice, peers: dict[str, PeerInfo]) -> dict[str, Any]
         "full_replicas": len(choice.assignment.full),
         "virtual_replicas": len(choice.assignment.virtual),
         "contributors": p.contributors,
+        "aggregated": p.aggregated,
         "inner_steps": choice.inner_steps,
         "rank": choice.rank,
         "round_s": p.round_s,

@@ -190,8 +190,12 @@ class RoundPrediction:
     window_s: float
     round_s: float
     tokens_per_round: int
+    """Tokens the replicas train (with K < contributors, only K messages a round carry them into θ at once; the
+    others' wait in their error feedback: the lab measures what that costs, the model does not)."""
     contributors: int
     nodes: dict[str, NodeRound]
+    aggregated: int = 0
+    """Messages each shard's round aggregates: min(K, contributors) under relay-tree, else every contributor's."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -314,7 +318,7 @@ def predict_round(
         nodes[peer_id] = NodeRound(role, replica, n, compute, exchange_s, up, down, memory <= peer.memory_bytes)
     round_s = _round_s(window, nodes, shape)
     tokens = sum(steps) * shape.tokens_per_step
-    return RoundPrediction(window, round_s, tokens, contributors, nodes)
+    return RoundPrediction(window, round_s, tokens, contributors, nodes, aggregated(contributors, limit))
 
 
 def _table_upkeep_bytes(
