@@ -11,7 +11,7 @@ each member fetches each of them.
   against the digest the group agreed on (a relay cannot alter a message, only delay it; a member whose parent
   fails fetches from the author). Each member downloads a message once and uploads it at most twice, so a peer
   moves at most K messages down and 2K up per round whatever R is, and a message reaches everyone after
-  ⌈log2 R⌉ hops instead of its author uploading R − 1 copies.
+  ⌊log2 R⌋ hops instead of its author uploading R − 1 copies.
 
 Pure functions of the group's view: every member builds the same subset and the same trees.
 """

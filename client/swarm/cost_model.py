@@ -12,14 +12,15 @@ One round, as the protocol runs it:
   that fit and sits the round out below `min_inner_steps`;
 * the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
   (all C when K is 0 or ≥ C) to every member through per-author relay trees, K(C − 1)/C messages each way on
-  average, plus a round trip per tree level (⌈log2 C⌉); all-to-all (the protocol before) downloads every other
-  member's message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves
-  about two messages each way whatever C is. Stages without the embedding also keep T_fixed current every round:
-  today by downloading the entries of E_S the aggregate changed, 8 bytes each, never more than the table ("changes";
-  the union of the aggregated messages' selections, about 1 − (1 − ρ)^C of the table for C messages selecting a
-  fraction ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead
-  (DHT records, matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a
-  matchmaking overhead and a round trip;
+  average, plus per tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at the
+  node's link (a relay re-serves a message once it has all of it); all-to-all (the protocol before) downloads every
+  other member's message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather)
+  moves about two messages each way whatever C is. Stages without the embedding also keep T_fixed current every
+  round: today by downloading the entries of E_S the aggregate changed, 8 bytes each, never more than the table
+  ("changes"; the union of the aggregated messages' selections, about 1 − (1 − ρ)^C of the table for C messages
+  selecting a fraction ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed
+  protocol overhead (DHT records, matchmaking, manifests). A node's exchange takes its slower direction at its link,
+  plus a matchmaking overhead and a round trip;
 * the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
   behind the next window, so the round is the longer of the two (stage peers still wait theirs out).
 """
@@ -263,9 +264,9 @@ def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int =
 
 
 def exchange_hops(contributors: int, exchange: str) -> int:
-    """Round trips a message's trip takes: its relay tree's depth (relay-tree), else one."""
+    """Round trips a message's trip takes: its relay tree's depth, ⌊log2 C⌋ (relay-tree), else one."""
     if exchange == "relay-tree" and contributors > 2:
-        return math.ceil(math.log2(contributors))
+        return int(math.log2(contributors))
     return 1
 
 
@@ -306,7 +307,9 @@ def predict_round(
                 down += table_down
             else:
                 up += table_up
-        latency = exchange_hops(contributors, links.exchange) * links.rtt_ms / 1e3
+        hops = exchange_hops(contributors, links.exchange)
+        held = sum(shape.shard_message_bytes[s] for s in shards)  # each relay stores a message, then forwards it
+        latency = hops * links.rtt_ms / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
         exchange_s = _transfer_s(up, down, peer) + links.matchmaking_s + latency if n else 0.0
         if role == "stage":
             b_up, b_down = boundary_bytes(stage, shape)
