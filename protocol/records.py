@@ -53,6 +53,8 @@ class RoundSummary(pydantic.BaseModel):
 
     round: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
     contributed: pydantic.StrictBool
+    deferred: pydantic.StrictBool = False
+    """Its message was valid but not selected this round (`--max-contributors`): owed for a later one."""
     eval_loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]
     bytes_sent: conint(strict=True, ge=0, le=10**15)  # type: ignore[valid-type]
     bytes_received: conint(strict=True, ge=0, le=10**15)  # type: ignore[valid-type]

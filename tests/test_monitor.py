@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from browser import CHROMIUM, rendered_dom, screenshot
 from factories import peer_id, peer_record
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from swarm_helpers import join_args, rounds_of, run_args
 
@@ -88,6 +89,9 @@ def test_node_metrics_are_served_in_prometheus_format_with_conventional_names() 
     assert value("hetero_node_received_bytes_total", traffic="outer") == 6000
     assert value("hetero_node_compute_seconds_total") == 4.0 and value("hetero_node_communication_seconds_total") == 1.0
     assert value("hetero_node_contributed_rounds_total") == 1 and value("hetero_node_resyncs_total") == 1
+    assert value("hetero_node_deferred_rounds_total") == 0
+    metrics.observe_round(record(2, contributed=False, deferred=True))  # left out by the selection: owed, no resync
+    assert samples(generate_latest(metrics.registry).decode())[("hetero_node_deferred_rounds_total", ())] == 1
     assert value("hetero_node_dropped_contributions_total") == 1
     assert value("hetero_node_group_size") == 3 and value("hetero_node_peers_seen") == 5
     assert value("hetero_node_node_info", role="full", run_id="ab" * 8, version="0.1.0") == 1
@@ -122,7 +126,7 @@ def snapshot_of(*records: Any) -> dict[str, Any]:
 def test_round_rows_average_eval_losses_and_add_bytes() -> None:
     seen = {
         4: {"a": {"eval_loss": 3.0, "bytes_sent": 10, "bytes_received": 30, "contributed": True},
-            "b": {"eval_loss": None, "bytes_sent": 5, "bytes_received": 7, "contributed": False}},
+            "b": {"eval_loss": None, "bytes_sent": 5, "bytes_received": 7, "contributed": False, "deferred": True}},
         3: {"a": {"eval_loss": 4.0, "bytes_sent": 1, "bytes_received": 2, "contributed": True},
             "c": {"eval_loss": 5.0, "bytes_sent": 2, "bytes_received": 3, "contributed": True}},
         5: {"b": {"eval_loss": None, "bytes_sent": 0, "bytes_received": 0, "contributed": False}},
@@ -131,7 +135,8 @@ def test_round_rows_average_eval_losses_and_add_bytes() -> None:
     assert [r["round"] for r in rows] == [3, 4, 5]
     assert [r["eval_loss"] for r in rows] == [4.5, 3.0, None]
     assert [(r["bytes_sent"], r["bytes_received"]) for r in rows] == [(3, 5), (15, 37), (0, 0)]
-    assert rows[1]["contributed"] == {"a": True, "b": False}
+    assert rows[1]["contributed"] == {"a": True, "b": False} and rows[1]["deferred"] == ["b"]
+    assert rows[0]["deferred"] == []
 
 
 def test_the_watcher_keeps_rounds_as_polls_see_them_and_exports_swarm_gauges() -> None:
@@ -146,7 +151,7 @@ def test_the_watcher_keeps_rounds_as_polls_see_them_and_exports_swarm_gauges() -
     assert [p["peer_id"] for p in state["snapshot"]["peers"]] == sorted([peer_id("full1"), peer_id("stage1")])
     assert state["rounds"] == [
         {"round": 7, "eval_loss": 3.5, "bytes_sent": 120, "bytes_received": 3000,
-         "contributed": {peer_id("full1"): True}},
+         "contributed": {peer_id("full1"): True}, "deferred": []},
     ]  # fmt: skip
     assert state["snapshot"]["virtual_replicas"] == {"0": {"stages": {"1": peer_id("stage1")}, "missing": [0]}}
     gauges = {(s.name, tuple(s.labels.values())): s.value for family in watcher.collect() for s in family.samples}

@@ -46,6 +46,9 @@ class NodeMetrics:
         self.contributors = Gauge("round_contributors", "Messages in the last round's aggregate.", **metric)
         self.contributed = Counter("contributed_rounds", "Rounds whose aggregate holds this node's message.", **metric)
         self.resyncs = Counter("resyncs", "Rounds trained but left out of the aggregate (missed the group).", **metric)
+        self.deferred = Counter(
+            "deferred_rounds", "Rounds whose selection left this node's message out (its Δ stays owed).", **metric
+        )
         self.dropped = Counter(
             "dropped_contributions", "Peers' messages dropped from this node's groups (late, invalid).", **metric
         )
@@ -82,4 +85,5 @@ class NodeMetrics:
         self.contributors.set(record.contributors)
         self.contributed.inc(int(record.contributed))
         self.resyncs.inc(int(record.resynced))
+        self.deferred.inc(int(record.deferred))
         self.dropped.inc(len(record.dropped))

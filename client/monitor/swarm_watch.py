@@ -26,7 +26,8 @@ Snapshot = dict[str, Any]
 
 def round_rows(seen: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per round, oldest first: mean eval loss of the peers that evaluated it, total bytes sent and received,
-    and which peers contributed (peer id → bool) among those that recorded the round."""
+    and which peers contributed (peer id → bool) and which were left out by the selection, among those that recorded
+    the round."""
     rows = []
     for round_, summaries in sorted(seen.items()):
         losses = [s["eval_loss"] for s in summaries.values() if s["eval_loss"] is not None]
@@ -37,6 +38,7 @@ def round_rows(seen: dict[int, dict[str, dict[str, Any]]]) -> list[dict[str, Any
                 "bytes_sent": sum(s["bytes_sent"] for s in summaries.values()),
                 "bytes_received": sum(s["bytes_received"] for s in summaries.values()),
                 "contributed": {pid: s["contributed"] for pid, s in sorted(summaries.items())},
+                "deferred": sorted(pid for pid, s in summaries.items() if s.get("deferred")),
             }
         )
     return rows

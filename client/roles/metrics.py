@@ -75,6 +75,7 @@ def round_summary(record: RoundRecord) -> RoundSummary:
     return RoundSummary(
         round=record.round,
         contributed=record.contributed,
+        deferred=record.deferred,
         eval_loss=record.eval_loss if finite else None,
         bytes_sent=record.bytes_sent + record.boundary_bytes_sent,
         bytes_received=record.bytes_received + record.boundary_bytes_received,
