@@ -36,7 +36,7 @@ from hetero_node.models.subspace import drift_transfer_, embedding_change, subsp
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
-from hetero_node.protocol.flat_exchange import selected_contributors
+from hetero_node.protocol.flat_exchange import contributor_limit, selected_contributors, selection_seed
 from hetero_node.protocol.outer_methods import outer_method
 from hetero_node.protocol.run_config import OptimConfig, OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
 
@@ -84,7 +84,7 @@ def grid(cfg: SimConfig) -> list[Cell]:
             for h in cfg.h_list:
                 for k in cfg.topk_list if sparse else [None]:
                     for rank in cfg.rank_list if method in SUBSPACE_METHODS else [None]:
-                        for limit in cfg.contributor_list if method != "ddp" else [0]:
+                        for limit in cfg.contributor_list if sparse else [0]:  # only SparseLoCo keeps Δ owed
                             cells.append(Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0))
     return list(dict.fromkeys(cells))
 
@@ -172,7 +172,7 @@ class OuterSwarm:
         return self.model.embed_fixed
 
     @torch.no_grad()
-    def step(self, replicas: list[SimReplica], names: list[str]) -> list[int]:
+    def step(self, replicas: list[SimReplica], names: list[str], round_: int) -> list[int]:
         """θ(t+1) from every replica's encoded messages; returns each replica's message bytes."""
         weight = float(self.run.outer.inner_steps * self.run.batch_size * self.run.seq_len)
         deltas = [r.shard_deltas() for r in replicas]
@@ -180,7 +180,8 @@ class OuterSwarm:
         sizes = [0] * len(replicas)
         start_fps = self.fingerprints()
         for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
-            chosen = set(selected_contributors(names, self.run.outer.max_contributors, start_fps[str(s)]))
+            seed = selection_seed(self.run.run_id, s, round_, start_fps[str(s)])
+            chosen = set(selected_contributors(names, contributor_limit(self.run.outer), seed))
             messages, senders = [], []
             for i, replica in enumerate(replicas):
                 encoded = replica.methods[s].encode(deltas[i][s])
@@ -229,8 +230,8 @@ def simulate(
         for replica in replicas:
             replica.load(swarm.theta(), swarm.fixed)
             replica.train(t, H)
-        sizes = swarm.step(replicas, names)
-        outer = messages_moved(run.outer.outer, R, H, run.outer.max_contributors) * sum(sizes) / R
+        sizes = swarm.step(replicas, names, t)
+        outer = messages_moved(run.outer.outer, R, H, contributor_limit(run.outer)) * sum(sizes) / R
         boundary = sum(r.boundary_bytes for r in replicas) / R
         table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R
         sent += outer + boundary + table

@@ -1,17 +1,19 @@
 """What keeps a peer's bytes per round flat as the swarm grows: which messages a round aggregates, and from whom
 each member fetches each of them.
 
-* **A bounded subset of contributors.** A shard's round aggregates at most K messages (`--max-contributors`),
-  chosen by hashing the round's start fingerprint with each contributor's peer id. Every member computes the same
-  subset from the group's gathered metadata (no extra message, nothing to trust), nobody knows the subset before
-  θ(t) exists, and over rounds every contributor gets its turn. A contributor left out keeps its Δ in its error
-  feedback and sends it in a later round, as SparseLoCo already does with everything top-k leaves out.
+* **A bounded subset of contributors.** A SparseLoCo shard's round aggregates at most K messages
+  (`--max-contributors`), chosen by hashing the run, shard, round and start fingerprint with each contributor's peer
+  id. Every member computes the same subset from the group's gathered metadata (no extra message, nothing to
+  trust), nobody knows the subset before θ(t) exists, and it changes every round, even one that left θ unchanged.
+  A contributor left out keeps its Δ in its error feedback and sends it in a later round, as SparseLoCo already does
+  with everything top-k leaves out (DiLoCo has no error feedback: there every contributor is aggregated).
 * **A relay tree per message.** Each selected message spreads down a binary tree over the group's members,
   rooted at its author: a member fetches it from its parent, which re-serves the bytes once it has verified them
   against the digest the group agreed on (a relay cannot alter a message, only delay it; a member whose parent
-  fails fetches from the author). Each member downloads a message once and uploads it at most twice, so a peer
-  moves at most K messages down and 2K up per round whatever R is, and a message reaches everyone after
-  ⌊log2 R⌋ hops instead of its author uploading R − 1 copies.
+  fails fetches from the author). Each member downloads a message once and, while the tree holds, uploads it at
+  most twice, so a peer moves at most K messages down and 2K up per round whatever R is (a parent that fails sends
+  its subtree to the author instead), and a message reaches everyone after ⌊log2 R⌋ hops instead of its author
+  uploading R − 1 copies.
 
 Pure functions of the group's view: every member builds the same subset and the same trees.
 """
@@ -21,18 +23,31 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from hetero_node.protocol.run_config import OuterConfig
+
 FANOUT = 2
 """Children per member in a message's relay tree: what each member uploads per selected message."""
 
 
-def selected_contributors(names: Sequence[str], limit: int, start_fp: str) -> list[str]:
+def contributor_limit(outer: OuterConfig) -> int:
+    """K for this run's rounds (0: every contributor): only SparseLoCo can keep a left-out Δ owed."""
+    return outer.max_contributors if outer.outer == "sparseloco" else 0
+
+
+def selection_seed(run_id: str, shard: int, round_: int, start_fp: str) -> str:
+    """What a round's subset is drawn from: θ(t) (unknown before the round) and where the round is (so a round that
+    left θ unchanged, e.g. because every selected message was dropped, still draws another subset)."""
+    return f"{run_id}/{shard}/{round_}/{start_fp}"
+
+
+def selected_contributors(names: Sequence[str], limit: int, seed: str) -> list[str]:
     """The contributors (peer ids) whose messages this round aggregates, in canonical (sorted) order: all of them
-    when `limit` is 0 or not exceeded, else the `limit` with the smallest hash of (start fingerprint, peer id)."""
+    when `limit` is 0 or not exceeded, else the `limit` with the smallest hash of (seed, peer id)."""
     if limit <= 0 or len(names) <= limit:
         return sorted(names)
 
     def ticket(name: str) -> bytes:
-        return hashlib.blake2b(f"{start_fp}/{name}".encode(), digest_size=16).digest()
+        return hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=16).digest()
 
     return sorted(sorted(names, key=ticket)[:limit])
 

@@ -144,7 +144,7 @@ class SparseLoCoMethod(OuterMethod):
         self.compressor.load_state_dict(snapshot)
 
     def defer(self, snapshot: Any, payload: bytes) -> None:
-        """Put what the message sent back into the error feedback: the whole of Δ waits for a later round."""
+        """Put what the message sent back into the error feedback: Δ waits in it for a later round."""
         self.compressor.return_sent(self.decode(payload))
 
     def decode(self, payload: bytes) -> Any:

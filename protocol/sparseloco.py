@@ -340,7 +340,8 @@ class ErrorFeedbackCompressor:
 
     def return_sent(self, message: SparseMessage) -> None:
         """Add back what `message` (this compressor's last one) took out of the buffers: the round did not aggregate
-        it, so e = β·e_prev + Δ again (up to fp32 rounding) and top-k picks from all of it next round."""
+        it, so e = β·e_prev + Δ again (up to fp32 rounding) and top-k picks from all of it next round (it then decays
+        by β per round like the rest of the buffer, and travels in a message weighted by that round's tokens)."""
         for i, part in enumerate(message.tensors):
             plan = chunk_plan(self.shapes[i], self.config.chunk, self.config.topk)
             buf = self._buffers[i]

@@ -10,7 +10,13 @@ import pytest
 import torch
 from factories import run_config
 
-from hetero_node.protocol.flat_exchange import FANOUT, relay_parent, selected_contributors
+from hetero_node.protocol.flat_exchange import (
+    FANOUT,
+    contributor_limit,
+    relay_parent,
+    selected_contributors,
+    selection_seed,
+)
 from hetero_node.protocol.outer_methods import DiLoCoMethod, SparseLoCoMethod
 from hetero_node.protocol.run_config import OuterConfig
 
@@ -30,6 +36,10 @@ def test_every_member_selects_the_same_k_contributors_and_each_gets_its_turn() -
         picks.update(chosen)
         subsets.add(tuple(chosen))
     assert len(subsets) > 300  # a new subset nearly every round
+    same_theta = {tuple(selected_contributors(NAMES, 4, selection_seed("run", 0, t, "ab" * 8))) for t in range(20)}
+    assert len(same_theta) > 10  # θ unchanged (every selected message dropped): still another subset each round
+    assert contributor_limit(OuterConfig(max_contributors=4)) == 4
+    assert contributor_limit(OuterConfig(outer="diloco", max_contributors=4)) == 0  # no error feedback to owe Δ in
     assert set(picks) == set(NAMES) and 60 <= min(picks.values()) <= max(picks.values()) <= 140  # expected 100
 
 

@@ -6,7 +6,8 @@ manifests of up to `CORROBORATING_DONORS` such peers and keeps the result two of
 states the same one; a lone liar cannot name another), then fetches the messages from one donor that states it,
 checks every digest, combines them with the run's outer method exactly as the group did, and accepts the result
 only if its fingerprint is that one. A round only one donor answers for is taken on that donor's word (logged).
-That costs the round's messages (R × 0.0273·N bytes for SparseLoCo) instead of the shard's whole state (4·N bytes).
+That costs the round's messages (min(R, K) × 0.0273·N bytes for SparseLoCo, K = `--max-contributors`) instead of the
+shard's whole state (4·N bytes).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from hetero_node.client.outer.averager import ShardAverager
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
-from hetero_node.protocol.flat_exchange import relay_parent, selected_contributors
+from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
 from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import RunConfig
@@ -379,9 +379,14 @@ class ShardSync:
     def _exchange(self, pending: PendingRound, included: list[Member], group_size: int) -> ShardOutcome:
         """Fetch the selected contributors' messages, combine them in canonical order, take the outer step, and serve
         the round's manifest (what we aggregated) so a member that missed the group can rebuild θ(t+1) from it."""
-        contributors = [m for m in included if m.meta.size > 0]
-        chosen = set(selected_contributors([m.name for m in contributors], self.run.outer.max_contributors,
-                                           pending.meta.start_fp))  # fmt: skip
+        announced = Counter(m.meta.digest for m in included if m.meta.size > 0)
+        for m in included:
+            if m.meta.size > 0 and announced[m.meta.digest] > 1:
+                logger.warning("shard %d round %d: leaving out %s's message (another member announced the same "
+                               "digest: a copy would count twice)", self.shard, pending.round, m.name)  # fmt: skip
+        contributors = [m for m in included if m.meta.size > 0 and announced[m.meta.digest] == 1]
+        seed = selection_seed(self.run.run_id, self.shard, pending.round, pending.meta.start_fp)
+        chosen = set(selected_contributors([m.name for m in contributors], contributor_limit(self.run.outer), seed))
         selected = [m for m in contributors if m.name in chosen]
         messages, dropped, traffic = self._collect_messages(pending, selected, {m.name: m.peer_id for m in included})
         combined = self.method.combine(
@@ -405,14 +410,20 @@ class ShardSync:
         it), fetched concurrently through the relay trees among `members` and verified; bad ones are dropped."""
         others = [m for m in selected if m.name != self.me]
 
-        async def fetch_all() -> list[Any]:
-            jobs = [self._fetch_message(pending.round, m, members) for m in others]
-            return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeouts.fetch_timeout_s)
+        async def fetch_all() -> dict[str, Any]:
+            """Each message by the deadline, or its error: one slow fetch never costs the ones already done."""
+            jobs = {m.name: asyncio.ensure_future(self._fetch_message(pending.round, m, members)) for m in others}
+            if jobs:
+                _, late = await asyncio.wait(jobs.values(), timeout=self.timeouts.fetch_timeout_s)
+                for job in late:
+                    job.cancel()
+            return {
+                name: (job.exception() or job.result()) if job.done() and not job.cancelled()
+                else TimeoutError("fetch deadline passed")
+                for name, job in jobs.items()
+            }  # fmt: skip
 
-        try:
-            fetched = dict(zip([m.name for m in others], self.runtime.run(fetch_all()), strict=True))
-        except TimeoutError:
-            fetched = {}
+        fetched: dict[str, Any] = self.runtime.run(fetch_all())
         if pending.payload is not None:
             fetched[self.me] = Fetched(pending.payload, relayed=False)
         messages, dropped, traffic = [], [], Traffic()
@@ -470,16 +481,19 @@ class ShardSync:
         give_up = time.monotonic() + RELAY_PATIENCE * self.timeouts.fetch_timeout_s
         pause = RELAY_POLL_S
         while True:
-            try:
-                _, data = await self.runtime.fetch_async(parent, kind, self.shard, round_, meta.size)
+            try:  # a parent that trickles bytes is cut off at the same patience as one that has nothing yet
+                fetch = self.runtime.fetch_async(parent, kind, self.shard, round_, meta.size)
+                _, data = await asyncio.wait_for(fetch, max(0.0, give_up - time.monotonic()))
             except Exception as e:
                 if f"no {kind}" not in str(e) or time.monotonic() + pause > give_up:
                     raise
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)
                 continue
-            if len(data) != meta.size or digest(data) != meta.digest:
+            if digest(data) != meta.digest:
                 raise PayloadError(f"relay {parent} served bytes that do not match the agreed digest")
+            if len(data) != meta.size:  # the relay served the author's bytes: the author announced another size
+                raise ValueError("the message's author announced a size its bytes do not have")
             return data
 
     # -------------------------------------------------------------------------------------------------- solo

@@ -46,6 +46,7 @@ from hetero_node.models.shards import fingerprint
 from hetero_node.models.subspace import drift_transfer_, embedding_change
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.protocol.errors import CheckpointError, DaemonError, PayloadError
+from hetero_node.protocol.flat_exchange import contributor_limit
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import RunConfig
 
@@ -459,7 +460,9 @@ class Replica(ABC):
         if not 0 < behind <= KEPT_ROUNDS or not all(sync.small_messages for sync in self.syncs.values()):
             return False
         replicas = max(1, view.replica_count(records, self.run_cfg.outer.stages))
-        messages = sum(sync.method.max_message_bytes for sync in self.syncs.values()) * replicas * behind
+        limit = contributor_limit(self.run_cfg.outer)  # a manifest lists at most K messages
+        per_round = min(replicas, limit) if limit else replicas
+        messages = sum(sync.method.max_message_bytes for sync in self.syncs.values()) * per_round * behind
         return 2 * messages < sum(sync.state_bytes for sync in self.syncs.values())
 
     def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, CaughtUp], int] | None:
@@ -701,7 +704,9 @@ class Replica(ABC):
         outcomes = settled.outcomes.values()
         group = max((o.group_size for o in outcomes), default=0)
         contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
-        deferred = not contributed and any(o.deferred for o in outcomes)
+        deferred = (
+            not contributed and any(o.deferred for o in outcomes) and all(o.deferred or o.contributed for o in outcomes)
+        )  # every shard's Δ is either in the aggregate or owed: nothing was lost
         n_params = sum(p.numel() for ps in self.params.values() for p in ps)
         record = RoundRecord(
             round=round_,

@@ -11,16 +11,17 @@ One round, as the protocol runs it:
 * the training window is H steps of the fastest replica (`--round-s 0`); each replica trains the whole steps
   that fit and sits the round out below `min_inner_steps`;
 * the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
-  (all C when K is 0 or ≥ C) to every member through per-author relay trees, K(C − 1)/C messages each way on
-  average, plus per tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at the
-  node's link (a relay re-serves a message once it has all of it); all-to-all (the protocol before) downloads every
-  other member's message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather)
-  moves about two messages each way whatever C is. Stages without the embedding also keep T_fixed current every
-  round: today by downloading the entries of E_S the aggregate changed, 8 bytes each, never more than the table
-  ("changes"; the union of the aggregated messages' selections, about 1 − (1 − ρ)^C of the table for C messages
-  selecting a fraction ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed
-  protocol overhead (DHT records, matchmaking, manifests). A node's exchange takes its slower direction at its link,
-  plus a matchmaking overhead and a round trip;
+  (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees, K(C −
+  1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
+  tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at the node's link (a
+  relay re-serves a message once it has all of it); all-to-all (the protocol before) downloads every other member's
+  message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two
+  messages each way whatever C is. Stages without the embedding also keep T_fixed current every round: today by
+  downloading the entries of E_S the aggregate changed, 8 bytes each, never more than the table ("changes"; the
+  union of the aggregated messages' selections, about 1 − (1 − ρ)^C of the table for C messages selecting a fraction
+  ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead (DHT
+  records, matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a matchmaking
+  overhead and a round trip;
 * the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
   behind the next window, so the round is the longer of the two (stage peers still wait theirs out).
 """
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from hetero_node.client.swarm.planner import PeerInfo
+from hetero_node.protocol.flat_exchange import contributor_limit
 from hetero_node.protocol.run_config import RunConfig
 
 EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
@@ -54,7 +56,7 @@ class RunShape:
     min_inner_steps: int
     overlap: bool
     shard_message_bytes: tuple[int, ...]  # one replica's outer message per shard
-    max_contributors: int  # K: messages a round aggregates at most (0: all)
+    max_contributors: int  # K: messages a round aggregates at most (0: all; DiLoCo: always all)
     stage_compute_share: tuple[float, ...]  # each stage's fraction of the model's training FLOPs
     boundary_forward_bytes: int  # what one boundary carries forward per inner step (all microbatches)
     boundary_backward_bytes: int
@@ -64,6 +66,7 @@ class RunShape:
     stage_memory_bytes: tuple[int, ...]
     rank: int | None  # the boundary's subspace rank (None: dense boundaries)
     d_model: int
+    relayed: bool = True  # messages travel through relay trees (SparseLoCo); DiLoCo's come from their authors
 
     @property
     def message_bytes(self) -> int:
@@ -110,7 +113,8 @@ def _shape(run: RunConfig) -> RunShape:
         min_inner_steps=run.outer.min_inner_steps,
         overlap=run.outer.overlap,
         shard_message_bytes=messages,
-        max_contributors=run.outer.max_contributors,
+        max_contributors=contributor_limit(run.outer),
+        relayed=run.outer.outer == "sparseloco",
         stage_compute_share=tuple(f / sum(flops) for f in flops),
         boundary_forward_bytes=micro * fmt.message_bytes(FORWARD, per_micro, run.seq_len),
         boundary_backward_bytes=micro * fmt.message_bytes(BACKWARD, per_micro, run.seq_len),
@@ -281,7 +285,8 @@ def predict_round(
     steps = [int(window / s + 1e-9) if math.isfinite(s) else 0 for s in step_s]
     steps = [n if n >= shape.min_inner_steps else 0 for n in steps]
     contributors = sum(1 for n in steps if n)
-    limit = shape.max_contributors if links.exchange == "relay-tree" else 0
+    exchange = links.exchange if shape.relayed or links.exchange != "relay-tree" else "all-to-all"
+    limit = shape.max_contributors if exchange == "relay-tree" else 0
 
     members: list[tuple[str, str, int, int, tuple[int, ...]]] = []  # (peer, role, replica, stage, shards held)
     members += [(p, "full", i, -1, tuple(range(shape.stages))) for i, p in enumerate(assignment.full)]
@@ -298,7 +303,7 @@ def predict_round(
         up = down = 0.0  # the round's exchange: messages of the shards held, T_fixed, protocol overhead
         if n:
             up = down = links.overhead_bytes + sum(
-                exchange_bytes(shape.shard_message_bytes[s], contributors, links.exchange, limit) for s in shards
+                exchange_bytes(shape.shard_message_bytes[s], contributors, exchange, limit) for s in shards
             )
             table_down, table_up = _table_upkeep_bytes(
                 shape, links, aggregated(contributors, limit), shard0_holders, table_fetchers
@@ -307,7 +312,7 @@ def predict_round(
                 down += table_down
             else:
                 up += table_up
-        hops = exchange_hops(contributors, links.exchange)
+        hops = exchange_hops(contributors, exchange)
         held = sum(shape.shard_message_bytes[s] for s in shards)  # each relay stores a message, then forwards it
         latency = hops * links.rtt_ms / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
         exchange_s = _transfer_s(up, down, peer) + links.matchmaking_s + latency if n else 0.0
