@@ -34,7 +34,9 @@ P2P_CODE, CIRCUIT_CODE = 421, 290
 """Multiaddr protocol codes of /p2p and /p2p-circuit."""
 
 _build_daemon_args: Any = None
-"""hivemind's own `P2P._make_process_args`, kept when `bound_relay_service` first wraps it."""
+"""hivemind's own `P2P._make_process_args`, kept when `_set_daemon_flags` first wraps it."""
+_daemon_flags: dict[str, Any] = {}
+"""Extra p2pd flags for every daemon this process starts (relay bounds, static relays)."""
 
 
 def observed_hosts(addrs: list[Any]) -> list[str]:
@@ -118,15 +120,36 @@ def bound_relay_service(slots: int, megabytes: int) -> None:
     in through hivemind's daemon-argument builder, for every daemon this process (or a child forked later) starts:
     `slots` peers relayed at once (0: relaying is off), `megabytes` per relayed connection each way. p2pd has no
     rate limit, so a relay's bandwidth is bounded only through these."""
+    _set_daemon_flags(relayService=slots > 0, relayMaxReservations=max(slots, 1), relayDataLimit=megabytes << 20)
+
+
+def reserve_on_trusted_relays_only(enabled: bool = True) -> None:
+    """Make p2pd's auto-relay reserve a slot on the trusted relays at once. With relay discovery on (p2pd's
+    default) it feeds them to go-libp2p's auto-relay as a peer source, which waits for 4 candidates or 3 minutes
+    before reserving anything: a node behind NAT had no reservation for its first 3 minutes, so two such nodes could
+    not reach each other (each circuit failed with NO_RESERVATION). Static relays are reserved on as soon as the
+    node runs. For every daemon this process starts from now on that is given trusted relays (`enabled` False:
+    p2pd's default again)."""
+    if enabled:
+        _set_daemon_flags(relayDiscovery=False)
+    else:
+        _daemon_flags.pop("relayDiscovery", None)
+
+
+def _set_daemon_flags(**flags: Any) -> None:
+    """Add p2pd flags hivemind does not expose, through its daemon-argument builder (patched once)."""
     global _build_daemon_args
     from hivemind.p2p import P2P
 
     if _build_daemon_args is None:
         _build_daemon_args = P2P._make_process_args
-    build = _build_daemon_args
-    flags = {"relayService": slots > 0, "relayMaxReservations": max(slots, 1), "relayDataLimit": megabytes << 20}
+        build = _build_daemon_args
 
-    def with_relay_bounds(*args: Any, **kwargs: Any) -> list[str]:
-        return build(*args, **{**kwargs, **flags})
+        def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+            flags = {**kwargs, **_daemon_flags}
+            if not flags.get("trustedRelays"):  # p2pd refuses auto-relay with neither discovery nor static relays
+                flags.pop("relayDiscovery", None)
+            return build(*args, **flags)
 
-    P2P._make_process_args = staticmethod(with_relay_bounds)
+        P2P._make_process_args = staticmethod(with_flags)
+    _daemon_flags.update(flags)

@@ -20,7 +20,7 @@ from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.bench.nat_relay import render_markdown, summarise
 from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 from hetero_node.bootstrap.config import RelayConfig
-from hetero_node.protocol.reachability import bound_relay_service
+from hetero_node.protocol.reachability import bound_relay_service, reserve_on_trusted_relays_only
 
 UNAVAILABLE = nat_unavailable_reason()
 needs_nat_lab = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"NAT lab unavailable: {UNAVAILABLE}")
@@ -95,6 +95,18 @@ def train_two_replicas(
 
 @needs_nat_lab
 @pytest.mark.multipeer
+@pytest.mark.timeout(400)
+def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribute_every_round(tmp_path: Path) -> None:
+    """Neither can dial the other: every byte between them crosses the bootstrap's relay. It needs a reservation
+    on the relay from the start (static relays) and averagers that lead groups though their DHT is a client."""
+    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:
+        peers = swarm.start_bootstrap(run_args(4, inner_steps=6))
+        first, second = train_two_replicas(swarm, peers, tmp_path, rounds=4)
+    assert all(first[t]["bytes_received"] == second[t]["bytes_received"] > 0 for t in range(4))  # each other's
+
+
+@needs_nat_lab
+@pytest.mark.multipeer
 @pytest.mark.timeout(480)
 def test_a_virtual_replica_whose_last_stage_is_behind_nat_trains_and_contributes(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"s1"})) as swarm:
@@ -129,26 +141,41 @@ def vr_rounds(workdir: Path) -> list[int]:
             and full[t]["contributors"] == 2]  # fmt: skip
 
 
-def test_relay_bounds_reach_the_daemon() -> None:
-    """The --relay-slots / --relay-mb flags are on the command line of the p2pd hivemind starts, and it runs."""
+def test_relay_flags_reach_the_daemon() -> None:
+    """The --relay-slots / --relay-mb flags are on the command line of the p2pd hivemind starts, and it runs; a
+    relayed node's daemon reserves on its trusted relays only (no 3-minute wait for discovered candidates), while a
+    daemon without trusted relays keeps discovery (p2pd refuses auto-relay with neither)."""
     from hivemind.p2p import P2P
 
-    async def daemon_command_line() -> list[str]:
-        p2p = await P2P.create()
+    async def daemon_command_line(**options: Any) -> list[str]:
+        p2p = await P2P.create(**options)
         try:
             return psutil.Process(p2p._child.pid).cmdline()
         finally:
             await p2p.shutdown()
+
+    async def relayed_command_lines() -> tuple[list[str], list[str]]:
+        relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            address = f"{(await relay.get_visible_maddrs())[0]}/p2p/{relay.peer_id}"
+            relayed = await daemon_command_line(use_auto_relay=True, trusted_relays=[address])
+            return relayed, await daemon_command_line(use_auto_relay=True)
+        finally:
+            await relay.shutdown()
 
     try:
         bound_relay_service(3, 10)
         lent = asyncio.run(daemon_command_line())
         bound_relay_service(0, 1)
         off = asyncio.run(daemon_command_line())
+        reserve_on_trusted_relays_only()
+        relayed, discovering = asyncio.run(relayed_command_lines())
     finally:
         bound_relay_service(RelayConfig().relay_slots, RelayConfig().relay_mb)
+        reserve_on_trusted_relays_only(enabled=False)
     assert {"-relayService=1", "-relayMaxReservations=3", f"-relayDataLimit={10 << 20}"} <= set(lent), lent
     assert "-relayService=0" in off and "-relayService=1" not in off
+    assert "-relayDiscovery=0" in relayed and not any(a.startswith("-relayDiscovery") for a in discovering)
 
 
 @pytest.mark.multipeer

@@ -270,6 +270,8 @@ class ShardSync:
             allreduce_timeout=timeouts.round_timeout_s,
             next_chunk_timeout=min(5.0, timeouts.round_timeout_s),  # a dead peer must not hang the others for minutes
             allow_state_sharing=False,  # state travels through our verified blob handler instead
+            client_mode=False,  # a relayed node's DHT is a client, but it must still lead groups: two relayed
+            # nodes (both behind NAT) would otherwise never form one; its relay reservation makes it reachable
         )
 
     @property

@@ -17,7 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hetero_node.protocol.reachability import ask_dial_back, bound_relay_service, circuit_multiaddr
+from hetero_node.protocol.reachability import (
+    ask_dial_back,
+    bound_relay_service,
+    circuit_multiaddr,
+    reserve_on_trusted_relays_only,
+)
 from hetero_node.protocol.records import PeerRecord
 
 if TYPE_CHECKING:
@@ -103,6 +108,7 @@ def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: st
         )  # fmt: skip
         runtime.shutdown()
     bound_relay_service(0, 1)  # nobody can reach us to be relayed
+    reserve_on_trusted_relays_only()  # a reservation at once, not after p2pd's 3-minute wait for more candidates
     runtime = start(peers)
     logger.info("relayed through %s", ", ".join(peers))
     return runtime
