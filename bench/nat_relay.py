@@ -1,7 +1,8 @@
 """`hetero-node bench-nat`: what a circuit relay costs a swarm, measured on shaped links.
 
-The same run twice: a bootstrap and two full replicas, each on a `--link-mbit` tbf link; first both replicas
-public (direct), then the second behind a NAT router of its own (it joins through a relay on the bootstrap). Per
+The same run three times: a bootstrap and two full replicas, each on a `--link-mbit` tbf link; first both replicas
+public (direct), then the second behind a NAT router of its own (it joins through a relay on the bootstrap), then
+both behind NAT routers of their own (every byte between them crosses the relay). Per
 scenario the report gives each replica's mean exchange time per round (`comm_s`: waiting for and fetching the
 others' messages), the round's wall time (the run's wall time over its rounds), the SparseLoCo bytes each replica
 received per round, and the bytes that crossed each node's link per round (interface counters, both directions):
@@ -26,7 +27,7 @@ from hetero_node.bench.netns import nat_unavailable_reason
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 
 REPLICAS = ("r0", "r1")
-SCENARIOS = {"direct": frozenset(), "relayed": frozenset({"r1"})}
+SCENARIOS = {"direct": frozenset(), "relayed": frozenset({"r1"}), "both relayed": frozenset({"r0", "r1"})}
 
 
 def run_args(cfg: NatBenchConfig) -> list[str]:
