@@ -178,10 +178,11 @@ class OuterSwarm:
         deltas = [r.shard_deltas() for r in replicas]
         before = self.model.embed.weight.detach().clone() if self.basis is not None else None
         sizes = [0] * len(replicas)
-        start_fps = self.fingerprints()
+        limit = contributor_limit(self.run.outer)
+        start_fps = self.fingerprints() if 0 < limit < len(names) else {}  # seeds, needed only to leave some out
         for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
-            seed = selection_seed(self.run.run_id, s, round_, start_fps[str(s)])
-            chosen = set(selected_contributors(names, contributor_limit(self.run.outer), seed))
+            seed = selection_seed(self.run.run_id, s, round_, start_fps.get(str(s), ""))
+            chosen = set(selected_contributors(names, limit, seed))
             messages, senders = [], []
             for i, replica in enumerate(replicas):
                 encoded = replica.methods[s].encode(deltas[i][s])

@@ -5,7 +5,7 @@ One interface, two methods; `--aggregation` picks how `combine` bounds each mess
 
 * `encode(deltas)` → the wire message of Δ = θ(t) − θ_local, and a snapshot of the private state it changed
   (SparseLoCo's error feedback), which `restore` puts back when the round fails for this replica, and `defer`
-  when the round left a valid message out (`--max-contributors`): SparseLoCo then keeps Δ owed, DiLoCo loses it;
+  when the round left a valid message out (`--max-contributors`, SparseLoCo only: it keeps Δ owed);
 * `decode(payload)` → a message, strictly checked (`PayloadError` on anything malformed);
 * `combine(messages, weights, names)` → the aggregate of the messages, weighted by the tokens each replica
   trained, summed in canonical (peer-id) order whatever order they arrive in; malformed ones are dropped;
@@ -75,7 +75,8 @@ class OuterMethod(ABC):
         """Undo `encode`: the round failed for this replica, its contribution is dropped."""
 
     def defer(self, snapshot: Any, payload: bytes) -> None:
-        """The round aggregated others but not this message (not selected): by default, as if it failed."""
+        """The round aggregated others but not this message (not selected): by default, as if it failed (a method
+        without private state to keep Δ in is never left out: `flat_exchange.contributor_limit`)."""
         self.restore(snapshot)
 
     @abstractmethod

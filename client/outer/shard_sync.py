@@ -50,7 +50,7 @@ from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.outer.averager import ShardAverager
-from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
@@ -430,7 +430,7 @@ class ShardSync:
             fetched[self.me] = Fetched(pending.payload, relayed=False)
         messages, dropped, traffic = [], [], Traffic()
         for name, _, meta in selected:
-            got = fetched.get(name, TimeoutError("fetch deadline passed"))
+            got = fetched[name]  # ours is in `selected` only with a payload
             if isinstance(got, BaseException):
                 dropped.append(f"{name}: {got!r}")
                 continue
@@ -454,32 +454,40 @@ class ShardSync:
         children in its relay tree (and for catch-up). Small messages come from our parent in the tree when that is
         not the author; the author itself is the fallback."""
         meta = author.meta
-        if self.small_messages and self.me in members and author.name in members:
-            parent = relay_parent(list(members), author.name, self.me)
-            if parent != author.name and parent not in self.runtime.lying_relays:
-                try:
-                    data = await self._fetch_relayed(members[parent], round_, meta)
-                except PayloadError as e:  # it verified nothing, or altered what it verified: never again
-                    self.runtime.lying_relays.add(parent)
-                    logger.warning("shard %d round %d: %s; fetching from authors instead of it from now on",
-                                   self.shard, round_, e)  # fmt: skip
-                except Exception as e:  # the parent is gone or too slow
-                    logger.info("shard %d round %d: relay %s failed for %s's message (%r); asking its author",
-                                self.shard, round_, parent, author.name, e)  # fmt: skip
-                else:
-                    self.runtime.publish(message_kind(meta.digest), self.shard, round_, data)
-                    return Fetched(data, relayed=True)
-        _, data = await self.runtime.fetch_with_retries(author.peer_id, PAYLOAD, self.shard, round_, meta.size)
-        if len(data) != meta.size or digest(data) != meta.digest:
-            raise PayloadError("payload does not match the size/digest it announced")
+        data = await self._fetch_from_parent(round_, author, members) if self.small_messages else None
+        relayed = data is not None
+        if data is None:
+            _, data = await self.runtime.fetch_with_retries(author.peer_id, PAYLOAD, self.shard, round_, meta.size)
+            if len(data) != meta.size or digest(data) != meta.digest:
+                raise PayloadError("payload does not match the size/digest it announced")
         if self.small_messages:
             self.runtime.publish(message_kind(meta.digest), self.shard, round_, data)
-        return Fetched(data, relayed=False)
+        return Fetched(data, relayed)
+
+    async def _fetch_from_parent(self, round_: int, author: Member, members: dict[str, Any]) -> bytes | None:
+        """`author`'s message from our parent in its relay tree; None when the parent is the author, is known to
+        lie, or fails (then the author is asked)."""
+        if self.me not in members or author.name not in members:
+            return None
+        parent = relay_parent(list(members), author.name, self.me)
+        if parent == author.name or parent in self.runtime.lying_relays:
+            return None
+        try:
+            return await self._fetch_relayed(members[parent], round_, author.meta)
+        except PayloadError as e:  # it altered what it should have verified: never again
+            self.runtime.lying_relays.add(parent)
+            logger.warning("shard %d round %d: %s; fetching from authors instead of it from now on",
+                           self.shard, round_, e)  # fmt: skip
+        except Exception as e:  # the parent is gone or too slow
+            logger.info("shard %d round %d: relay %s failed for %s's message (%r); asking its author",
+                        self.shard, round_, parent, author.name, e)  # fmt: skip
+        return None
 
     async def _fetch_relayed(self, parent: Any, round_: int, meta: GroupMeta) -> bytes:
         """The message with `meta`'s digest from `parent`, polled until the parent has it (it is fetching it from
         its own parent meanwhile) or RELAY_PATIENCE of the fetch deadline has passed."""
         kind = message_kind(meta.digest)
+        pending_reply = not_served(kind)
         give_up = time.monotonic() + RELAY_PATIENCE * self.timeouts.fetch_timeout_s
         pause = RELAY_POLL_S
         while True:
@@ -487,7 +495,7 @@ class ShardSync:
                 fetch = self.runtime.fetch_async(parent, kind, self.shard, round_, meta.size)
                 _, data = await asyncio.wait_for(fetch, max(0.0, give_up - time.monotonic()))
             except Exception as e:
-                if f"no {kind}" not in str(e) or time.monotonic() + pause > give_up:
+                if pending_reply not in str(e) or time.monotonic() + pause > give_up:
                     raise
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)

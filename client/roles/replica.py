@@ -605,7 +605,7 @@ class Replica(ABC):
         """Our Δ of a shard whose aggregate does not hold our message: owed for a later round when the group left it
         out by selection, else forgotten (the error feedback goes back to where it was)."""
         for shard, pending in flight.pendings.items():
-            if outcomes[shard].deferred and not outcomes[shard].contributed:
+            if outcomes[shard].deferred:  # never set together with `contributed`
                 self.syncs[shard].defer(pending)
             elif not outcomes[shard].contributed:
                 self.syncs[shard].drop(pending)
@@ -704,9 +704,8 @@ class Replica(ABC):
         outcomes = settled.outcomes.values()
         group = max((o.group_size for o in outcomes), default=0)
         contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
-        deferred = (
-            not contributed and any(o.deferred for o in outcomes) and all(o.deferred or o.contributed for o in outcomes)
-        )  # every shard's Δ is either in the aggregate or owed: nothing was lost
+        # every shard's Δ is either in the aggregate or owed (at least one owed): nothing was lost
+        deferred = any(o.deferred for o in outcomes) and all(o.deferred or o.contributed for o in outcomes)
         n_params = sum(p.numel() for ps in self.params.values() for p in ps)
         record = RoundRecord(
             round=round_,

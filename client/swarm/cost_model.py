@@ -11,8 +11,8 @@ One round, as the protocol runs it:
 * the training window is H steps of the fastest replica (`--round-s 0`); each replica trains the whole steps
   that fit and sits the round out below `min_inner_steps`;
 * the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
-  (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees, K(C −
-  1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
+  (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees,
+  K(C−1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
   tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at the node's link (a
   relay re-serves a message once it has all of it); all-to-all (the protocol before) downloads every other member's
   message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two
@@ -270,7 +270,7 @@ def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int =
 def exchange_hops(contributors: int, exchange: str) -> int:
     """Round trips a message's trip takes: its relay tree's depth, ⌊log2 C⌋ (relay-tree), else one."""
     if exchange == "relay-tree" and contributors > 2:
-        return int(math.log2(contributors))
+        return contributors.bit_length() - 1
     return 1
 
 

@@ -136,6 +136,12 @@ def read_peer_records(
     return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key)
 
 
+def not_served(kind: str) -> str:
+    """How a peer's refusal starts when it holds no blob of `kind` (yet): a fetcher tells "ask again later" from a
+    failure by it."""
+    return f"no {kind}"
+
+
 def relay_options(relays: list[str]) -> dict[str, Any]:
     """hivemind.DHT options of a node that cannot be dialed: reserve a slot on `relays` at once (p2pd's AutoNAT
     would need several peers to decide we are private before looking for relays)."""
@@ -333,7 +339,7 @@ class PeerRuntime:
         try:
             found = self._lookup(request.kind, request.shard, request.round)
             if found is None:
-                raise KeyError(f"no {request.kind} for shard {request.shard} round {request.round} here")
+                raise KeyError(f"{not_served(request.kind)} for shard {request.shard} round {request.round} here")
             round_, data = found
             if callable(data):  # made on first request, off the event loop, then kept
                 data = await asyncio.get_running_loop().run_in_executor(None, data)
