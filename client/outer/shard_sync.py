@@ -303,7 +303,10 @@ class ShardSync:
 
         wait_s = max(0.0, scheduled_time - get_dht_time())
         logger.info("shard %d round %d: group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s)
-        self.averager.prepare_round(pending.round, max(2, expected))
+        if not self.averager.prepare_round(pending.round, max(2, expected), settle_s=self.timeouts.matchmaking_s):
+            logger.warning("shard %d round %d: the previous round's group search has not ended; receiving this "
+                           "round from the others' messages", self.shard, pending.round)  # fmt: skip
+            return
         pending.control = self.averager.step(
             gather=pending.meta.to_wire(),
             scheduled_time=get_dht_time() + wait_s,
@@ -337,6 +340,8 @@ class ShardSync:
         from hivemind.averaging.control import AveragingStage
 
         control = pending.control
+        if control is None:  # `begin` started no step
+            return ShardOutcome(new_tensors=None)
         deadline = time.monotonic() + self.timeouts.round_timeout_s + self.timeouts.matchmaking_s
         while not control.done() and time.monotonic() < deadline:
             if self.stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on()):
