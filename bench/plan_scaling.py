@@ -53,7 +53,7 @@ def run_plan_scaling(cfg: PlanScalingConfig, progress: Progress | None = None) -
             model = dataclasses.replace(links, exchange=exchange, table_upkeep=upkeep)
             result = auto_plan(peers.values(), run, model, positive_int_list(cfg.h_choices, "--h-choices"))
             rows.append({"nodes": n, "design": design, "best": choice_summary(result.best, peers),
-                         "rules": choice_summary(result.rules, peers), "idle": len(result.idle)})  # fmt: skip
+                         "live": choice_summary(result.live, peers), "idle": len(result.idle)})  # fmt: skip
             if progress is not None and task is not None:
                 progress.advance(task)
     report = {"config": {k: str(v) for k, v in vars(cfg).items()}, "rows": rows}
@@ -73,17 +73,17 @@ def render_markdown(report: dict[str, Any]) -> str:
         "| nodes | design | full + virtual replicas (idle) | messages aggregated per round | H / rank | round s | "
         "tokens/s | "
         "weak scaling (all / training) | max MB per peer per round (up / down) | "
-        "today's rules: tokens/s, weak scaling |",
+        "the live planner: tokens/s, weak scaling |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        b, rules = r["best"], r["rules"]
+        b, live = r["best"], r["live"]
         lines.append(
             f"| {r['nodes']:,} | {r['design']} | {b['full_replicas']} + {b['virtual_replicas']} ({r['idle']}) | "
             f"{b['aggregated']} of {b['contributors']} | {b['inner_steps']} / {b['rank'] or 'dense'} | "
             f"{b['round_s']:,.1f} | {b['tokens_per_s']:,.0f} | "
             f"{b['weak_scaling']:.0%} / {b['used_scaling']:.0%} | {b['max_bytes_up_per_peer'] / 1e6:,.1f} / "
-            f"{b['max_bytes_down_per_peer'] / 1e6:,.1f} | {rules['tokens_per_s']:,.0f}, {rules['weak_scaling']:.0%} |"
+            f"{b['max_bytes_down_per_peer'] / 1e6:,.1f} | {live['tokens_per_s']:,.0f}, {live['weak_scaling']:.0%} |"
         )
     return "\n".join([*lines, "", f"![weak scaling]({PLOT})", ""])
 
@@ -99,8 +99,8 @@ def _plot(rows: list[dict[str, Any]], cfg: PlanScalingConfig) -> None:
         mine = [r for r in rows if r["design"] == design]
         sizes = [r["nodes"] for r in mine]
         line = left.plot(sizes, [r["best"]["weak_scaling"] for r in mine], marker="o", label=f"{design}, planned")
-        left.plot(sizes, [r["rules"]["weak_scaling"] for r in mine], marker="x", linestyle=":",
-                  color=line[0].get_color(), label=f"{design}, today's rules")  # fmt: skip
+        left.plot(sizes, [r["live"]["weak_scaling"] for r in mine], marker="x", linestyle=":",
+                  color=line[0].get_color(), label=f"{design}, the live planner")  # fmt: skip
         right.plot(sizes, [r["best"]["max_bytes_down_per_peer"] / 1e6 for r in mine], marker="o", label=design)
     left.set(xscale="log", xlabel="nodes", ylabel="weak-scaling efficiency", ylim=(0, 1))
     right.set(xscale="log", yscale="log", xlabel="nodes", ylabel="max MB downloaded per peer per round")

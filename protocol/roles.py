@@ -5,9 +5,11 @@ A module of its own (no hivemind, no pydantic) so the planner and the CLI can us
 
 from __future__ import annotations
 
-ROLE_JOINING, ROLE_FULL, ROLE_STAGE = "joining", "full", "stage"
-ROLES = (ROLE_JOINING, ROLE_FULL, ROLE_STAGE)
-"""What a node does in the run: still choosing, a full replica, or a pipeline stage of a virtual replica."""
+ROLE_JOINING, ROLE_FULL, ROLE_STAGE, ROLE_STANDBY = "joining", "full", "stage", "standby"
+ROLES = (ROLE_JOINING, ROLE_FULL, ROLE_STAGE, ROLE_STANDBY)
+"""What a node does in the run: still choosing, a full replica, a pipeline stage of a virtual replica, or waiting
+(standby: the planner's model says a pipeline of nodes like it would slow the swarm; it is judged again at every
+plan)."""
 
 REQUEST_AUTO, REQUEST_FULL, REQUEST_STAGE = "auto", "full", "stage"
 REQUESTED_ROLES = (REQUEST_AUTO, REQUEST_FULL, REQUEST_STAGE)

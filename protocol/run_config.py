@@ -18,7 +18,7 @@ from typing import Any
 
 from hetero_node.protocol.errors import ConfigError, require_positive
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64

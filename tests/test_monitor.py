@@ -278,7 +278,7 @@ def test_plan_reads_the_live_swarm_and_predicts_its_round(live: LiveSwarm, tmp_p
     assert done.returncode == 0, done.stderr
     assert "now" in done.stdout and "optimised" in done.stdout
     plan = json.loads(out.read_text())
-    now = plan["rules"]  # the second column: the swarm's own assignment, as its records say
+    now = plan["live"]  # the second column: the swarm's own assignment, as its records say
     assert now["full_replicas"] == 2 and now["virtual_replicas"] == 0 and now["inner_steps"] == 4
     assert now["round_s"] > 0 and now["tokens_per_s"] > 0  # speeds and links from the records
     assert plan["best"]["tokens_per_s"] >= 0.98 * now["tokens_per_s"]

@@ -21,10 +21,20 @@ from hetero_node.client.node.join import role_for_run
 from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.runtime import MAX_RECORD_LIFETIME_S, latest_valid_records, parse_peer_multiaddrs
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
-from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
+
+
+def run_requirements(run: RunConfig) -> Requirements:
+    """What `join` gives its planner for this run."""
+    from hetero_node.client.swarm.auto_plan import requirements
+    from hetero_node.client.swarm.cost_model import RunShape
+
+    return requirements(RunShape.from_run(run))
+
 
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
 
@@ -282,7 +292,6 @@ def test_demo_summary_counts_pipeline_bytes_and_per_shard_agreement() -> None:
 
 def test_run_requirements_count_the_tables_a_subspace_run_keeps() -> None:
     """T_fixed on every peer's device (stages without the embedding keep their copy of E_S in host RAM)."""
-    from hetero_node.client.node.capabilities import run_requirements
     from hetero_node.models.memory import HEADROOM
 
     subspace = run_requirements(run_config())
@@ -293,7 +302,6 @@ def test_run_requirements_count_the_tables_a_subspace_run_keeps() -> None:
 
 
 def test_run_requirements_size_round_traffic_with_the_runs_own_outer_method() -> None:
-    from hetero_node.client.node.capabilities import run_requirements
     from hetero_node.models.config import get_preset
 
     n_params = get_preset("tiny").n_params()
@@ -301,3 +309,6 @@ def test_run_requirements_size_round_traffic_with_the_runs_own_outer_method() ->
     dense = run_requirements(run_config(outer=OuterConfig(outer="diloco"))).replica_round_bytes
     assert dense == 4 * n_params + 2 * 10  # fp32 values of both shards, each behind a 10-byte header
     assert 100 < dense / sparse < 200  # SparseLoCo's 0.219 bits per parameter against 32
+    # K bounds SparseLoCo's messages only: a DiLoCo round aggregates every contributor's dense Δ
+    assert run_requirements(run_config(outer=OuterConfig(max_contributors=4))).max_contributors == 4
+    assert run_requirements(run_config(outer=OuterConfig(outer="diloco", max_contributors=4))).max_contributors == 0

@@ -407,7 +407,7 @@ def plan(
     config: Path | None = RUN_FILE_OPTION,
 ) -> None:
     """Plan a described (--swarm) or live (--peers) swarm with the cost model: roles, virtual replicas, rank and H,
-    with predicted round time, tokens/s, utilisation and bytes per peer, next to today's rules or the swarm now."""
+    with predicted round time, tokens/s, utilisation and bytes per peer, next to the live planner or the swarm now."""
     from hetero_node.client.cli.plan import print_plan, run_plan, sizing_run
 
     configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)

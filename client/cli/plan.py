@@ -1,4 +1,4 @@
-"""`hetero-node plan`: what a described swarm would do with a run, by the cost model, against today's rules."""
+"""`hetero-node plan`: what a described swarm would do with a run, by the cost model, against the live planner."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def sizing_run(
 
 
 def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerInfo], str]:
-    """The optimised plan, the nodes, and what the second column shows: today's rules for a swarm file, the
+    """The optimised plan, the nodes, and what the second column shows: the live planner for a swarm file, the
     swarm's own assignment for a live swarm (`--peers`, whose announced run replaces `run`)."""
     if (cfg.swarm is None) == (not cfg.peers):
         raise ConfigError("give --swarm FILE (a described swarm) or --peers ADDR (a live one), not both or neither")
@@ -88,7 +88,7 @@ def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerI
         links, where, baseline = LinkModel(), "the live swarm", "now"
     else:
         nodes, links = load_swarm(cfg.swarm, get_preset(run.preset, vocab_size=run.vocab_size).n_params())
-        current, where, baseline = None, str(cfg.swarm), "today's rules"
+        current, where, baseline = None, str(cfg.swarm), "the live planner"
     links = dataclasses.replace(links, exchange=cfg.exchange, table_upkeep=cfg.table_upkeep)
     try:
         result = auto_plan(nodes, run, links, cfg.h_list)
@@ -98,7 +98,7 @@ def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerI
     if current is not None:  # compare with what the swarm runs, at its own H and rank
         shape = RunShape.from_run(run)
         now = Choice(current, shape.inner_steps, shape.rank, predict_round(by_id, current, shape, links))
-        result = dataclasses.replace(result, rules=now)
+        result = dataclasses.replace(result, live=now)
     return result, by_id, baseline
 
 
@@ -163,7 +163,7 @@ def plan_json(result: AutoPlan, peers: dict[str, PeerInfo]) -> dict[str, Any]:
     best = result.best
     return {
         "best": choice_summary(best, peers),
-        "rules": choice_summary(result.rules, peers),
+        "live": choice_summary(result.live, peers),
         "full": list(best.assignment.full),
         "virtual": [list(vr) for vr in best.assignment.virtual],
         "idle": list(result.idle),
@@ -180,9 +180,9 @@ def _mb(n: float) -> str:
 
 
 def print_plan(
-    result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console, baseline: str = "today's rules"
+    result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console, baseline: str = "the live planner"
 ) -> None:
-    best, rules = choice_summary(result.best, peers), choice_summary(result.rules, peers)
+    best, live = choice_summary(result.best, peers), choice_summary(result.live, peers)
     summary = Table(title=f"plan for {len(peers)} nodes ({cfg.exchange} exchange, {cfg.table_upkeep} T_fixed)")
     summary.add_column("")
     summary.add_column("optimised", justify="right")
@@ -200,7 +200,7 @@ def print_plan(
          lambda s: f"{_mb(s['max_bytes_up_per_peer'])} / {_mb(s['max_bytes_down_per_peer'])}"),
     )  # fmt: skip
     for label, render in rows:
-        summary.add_row(label, render(best), render(rules))
+        summary.add_row(label, render(best), render(live))
     console.print(summary)
     table = Table(title="replicas (optimised plan)")
     for column in ("replica", "nodes (stage order)", "steps/round", "compute s", "exchange s", "MB up", "MB down"):

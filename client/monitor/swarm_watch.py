@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, ROLE_STANDBY
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class SwarmWatcher(Collector):
         if snapshot is None:
             return
         peers = GaugeMetricFamily("hetero_node_swarm_peers", "Peers with a live record, by role.", labels=["role"])
-        for role in (ROLE_FULL, ROLE_STAGE, ROLE_JOINING):
+        for role in (ROLE_FULL, ROLE_STAGE, ROLE_JOINING, ROLE_STANDBY):
             peers.add_metric([role], sum(p["role"] == role for p in snapshot["peers"]))
         yield peers
         yield GaugeMetricFamily("hetero_node_swarm_round", "Highest round a full replica holds.", snapshot["round"])

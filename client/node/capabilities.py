@@ -14,18 +14,12 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from hetero_node.client.swarm.planner import Requirements
 from hetero_node.models.config import get_preset
-from hetero_node.models.memory import full_and_stage_memory
-from hetero_node.models.shards import shard_parameter_names
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
-from hetero_node.protocol.outer_methods import outer_method
 from hetero_node.protocol.run_config import RunConfig
 
 GB = 1e9
-COMM_FRACTION = 0.1
-"""A full replica's round traffic must take at most this fraction of its round's compute time."""
 
 
 @dataclass(frozen=True)
@@ -47,28 +41,6 @@ def probe_hardware(device: torch.device, memory_limit_gb: float | None) -> Hardw
         device_gb = psutil.virtual_memory().available / GB
     budget = device_gb if memory_limit_gb is None else min(device_gb, memory_limit_gb)
     return Hardware(gpus, os.cpu_count() or 1, psutil.virtual_memory().total / GB, budget)
-
-
-def run_requirements(run: RunConfig) -> Requirements:
-    """The run's memory and traffic needs, as the planner wants them."""
-    cfg = get_preset(run.preset, vocab_size=run.vocab_size)
-    full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, run.outer.stages, run.uses_subspace)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    shapes = dict((name, tuple(p.shape)) for name, p in model.named_parameters())
-    message = sum(  # the run's own outer method: a DiLoCo message is ~150× a SparseLoCo one
-        outer_method(run, [shapes[n] for n in names]).max_message_bytes
-        for names in shard_parameter_names(cfg, run.outer.stages)
-    )
-    return Requirements(
-        stages=run.outer.stages,
-        full_memory_bytes=full,
-        stage_memory_bytes=tuple(per_stage),
-        replica_round_bytes=message,
-        tokens_per_round=run.outer.inner_steps * run.batch_size * run.seq_len,
-        comm_fraction=COMM_FRACTION,
-        max_contributors=run.outer.max_contributors,
-    )
 
 
 def measure_throughput(run: RunConfig, device: torch.device, steps: int = 2) -> float:

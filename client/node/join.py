@@ -18,10 +18,12 @@ from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.monitor.http_server import MonitorServer
 from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.node.bandwidth import node_bandwidth
-from hetero_node.client.node.capabilities import measure_throughput, probe_hardware, run_requirements
+from hetero_node.client.node.capabilities import measure_throughput, probe_hardware
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.client.roles.replica import leave_on_signals
+from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
+from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.reachability import reachable_runtime
@@ -150,9 +152,10 @@ def run_node(
         if metrics is not None:
             on_round = _both(on_round, metrics.observe_round)
         on_status(f"run {run.run_id}: measuring this node")
-        req = run_requirements(run)
+        shape = RunShape.from_run(run)
+        req = requirements(shape)
         record = _initial_record(runtime, run, req, node, requested_role, pinned_stage)
-        membership = Membership(runtime, req, record, node.record_refresh_s, node.settle_s, stop)
+        membership = Membership(runtime, req, record, node.record_refresh_s, node.settle_s, stop, MarginalGain(shape))
         on_status(f"run {run.run_id}: choosing a role")
         if membership.settle() is None:
             return

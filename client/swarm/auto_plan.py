@@ -13,16 +13,18 @@ f and v are searched on a grid (every count up to 8, then steps of a quarter), f
 then rank and H at the best (f, v), then (f, v) again. The score is the predicted tokens/s. The quality cost is
 bounded, not traded: ranks below d/32 are not offered (the algorithm lab's finding 3: compress-all diverges at
 d/64), and among plans within `TOLERANCE` of the best tokens/s the one with the smallest H (more frequent outer
-steps), then the largest rank (less compression), wins. Today's rule-based plan (`planner.plan`) is a candidate
-whenever the run's H is one of `h_choices`, so the result is then never worse than the rules by the model; every
-candidate fits in memory.
+steps), then the largest rank (less compression), wins. The live planner's plan (`live_assignment`) is a candidate
+whenever the run's H is one of `h_choices`, so the result is then never worse than the live planner by the model;
+every candidate fits in memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import ChainMap
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.cost_model import (
     Assignment,
@@ -33,7 +35,7 @@ from hetero_node.client.swarm.cost_model import (
     run_variant,
     virtual_step_s,
 )
-from hetero_node.client.swarm.planner import PeerInfo, Requirements, plan
+from hetero_node.client.swarm.planner import PeerInfo, Replicas, Requirements, plan
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING
 from hetero_node.protocol.run_config import RunConfig
 
@@ -61,7 +63,7 @@ class Choice:
 @dataclass(frozen=True)
 class AutoPlan:
     best: Choice
-    rules: Choice  # today's rule-based planner at the run's own rank and H, by the same model
+    live: Choice  # what the live planner (`plan` with `MarginalGain`) makes of the nodes, at the run's rank and H
     idle: tuple[str, ...]  # nodes the best plan leaves out
 
     def weak_scaling(self, peers: Mapping[str, PeerInfo]) -> float:
@@ -82,13 +84,53 @@ def requirements(shape: RunShape) -> Requirements:
     )
 
 
-def rules_assignment(peers: Iterable[PeerInfo], shape: RunShape) -> Assignment:
-    """What today's planner makes of these nodes all joining at once (incomplete virtual replicas train nothing)."""
+@dataclass(frozen=True)
+class MarginalGain:
+    """The live planner's judge of a joiner (`planner.SwarmModel`), by the cost model: a joiner that holds the whole
+    model becomes a full replica, and one that holds a stage a pipeline stage, iff the swarm's predicted tokens/s
+    grow with one more such replica beside the full replicas and complete virtual replicas already settled (a
+    pipeline judged as S nodes like the joiner: the planner groups similar links). The model prices what the rule
+    of thumb (`_traffic_check`: round traffic within 10% of its compute) cannot: a slow link's exchange lengthens
+    every member's round, and a node far slower than the others trains few of the window's steps. Sticky and
+    deterministic like the rest of the plan: it judges joiners only, from the records alone. Unknown throughput:
+    no verdict (the rule decides; a stage joiner is then placed)."""
+
+    shape: RunShape
+    links: LinkModel = field(default_factory=LinkModel)
+
+    def full_gain(
+        self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
+    ) -> tuple[bool, str] | None:
+        return self._gain(peers, Assignment(full, virtual), Assignment((*full, joiner.peer_id), virtual), joiner)
+
+    def pipeline_gain(
+        self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
+    ) -> tuple[bool, str] | None:
+        like = {f"{joiner.peer_id}#{s}": dataclasses.replace(joiner, peer_id=f"{joiner.peer_id}#{s}")
+                for s in range(self.shape.stages)}  # fmt: skip
+        more = Assignment(full, (*virtual, tuple(like)))
+        nodes = ChainMap(like, peers)  # type: ignore[arg-type]  # read only
+        return self._gain(nodes, Assignment(full, virtual), more, joiner, "a pipeline of nodes like it")
+
+    def _gain(
+        self, peers: Mapping[str, PeerInfo], now: Assignment, more: Assignment, joiner: PeerInfo, what: str = "it"
+    ) -> tuple[bool, str] | None:
+        if joiner.tokens_per_s <= 0:
+            return None
+        before = predict_round(peers, now, self.shape, self.links).tokens_per_s
+        after = predict_round(peers, more, self.shape, self.links)
+        return after.tokens_per_s > before, (
+            f"with {what} as one more replica the swarm's predicted tokens/s go {before:,.0f} → "
+            f"{after.tokens_per_s:,.0f} (round {after.round_s:.3g} s)"
+        )
+
+
+def live_assignment(peers: Iterable[PeerInfo], shape: RunShape, links: LinkModel = LinkModel()) -> Assignment:
+    """What the live planner makes of these nodes all joining at once (incomplete virtual replicas train nothing)."""
     joining = [PeerInfo(**{**p.__dict__, "role": ROLE_JOINING, "vr": -1, "stage": -1}) for p in peers]
-    result = plan(joining, requirements(shape))
+    result = plan(joining, requirements(shape), MarginalGain(shape, links))
     full = tuple(p for p, role in result.roles.items() if role == ROLE_FULL)
-    vrs = result.virtual_replicas(shape.stages).values()
-    return Assignment(full, tuple(tuple(vr[s] for s in range(shape.stages)) for vr in vrs if len(vr) == shape.stages))
+    return Assignment(full, result.complete_virtual_replicas(shape.stages))
 
 
 def count_grid(n: int) -> list[int]:
@@ -171,8 +213,8 @@ def auto_plan(
     the rank from d/8, d/16, d/32 or the run's own. ValueError if nothing fits."""
     by_id = {p.peer_id: p for p in peers}
     base = RunShape.from_run(run)
-    today = rules_assignment(by_id.values(), base)
-    rules = Choice(today, base.inner_steps, base.rank, predict_round(by_id, today, base, links))
+    today = live_assignment(by_id.values(), base, links)
+    live = Choice(today, base.inner_steps, base.rank, predict_round(by_id, today, base, links))
 
     def evaluate(assignment: Assignment, shape: RunShape) -> Choice | None:
         prediction = predict_round(by_id, assignment, shape, links)
@@ -187,8 +229,8 @@ def auto_plan(
 
     first_h = base.inner_steps if base.inner_steps in h_choices else h_choices[0]
     pool = best_layout(first_h, base.rank)
-    if first_h == base.inner_steps and rules.prediction.feasible and rules.assignment.replicas:
-        pool.append(rules)
+    if first_h == base.inner_steps and live.prediction.feasible and live.assignment.replicas:
+        pool.append(live)
     if not pool:
         raise ValueError("no node can hold the model or complete a virtual replica: nothing to plan")
     layout = _choose(pool).assignment
@@ -198,4 +240,4 @@ def auto_plan(
     final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
     best = _choose(final)
     used = set(best.assignment.full) | {p for vr in best.assignment.virtual for p in vr}
-    return AutoPlan(best, rules, tuple(sorted(set(by_id) - used)))
+    return AutoPlan(best, live, tuple(sorted(set(by_id) - used)))

@@ -3,9 +3,10 @@
 Joining: publish a record with role "joining" → wait for records to propagate → run the planner on every live
 record → publish the decision (full, or a claimed (vr, stage) slot with the time of the claim) → wait again and
 re-read: a slot that someone claimed earlier (or at the same time, with a lower peer id) is lost, and the planner
-places us again. Afterwards a watcher re-reads the records every refresh: it keeps `view` (the digest of the plan
-this node sees) current, so everyone can check that all nodes agree, and it re-plans a stage peer that lost its
-slot.
+places us again. A node the planner puts on standby (its model says a pipeline of nodes like it would slow the
+swarm) keeps its record as "standby" and is planned again every refresh until that changes. Afterwards a watcher
+re-reads the records every refresh: it keeps `view` (the digest of the plan this node sees) current, so everyone
+can check that all nodes agree, and it re-plans a stage peer that lost its slot.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from hetero_node.client.swarm import view
-from hetero_node.client.swarm.planner import PeerInfo, Plan, Requirements, plan
+from hetero_node.client.swarm.planner import PeerInfo, Plan, Requirements, SwarmModel, plan
 from hetero_node.client.swarm.reachability import CIRCUIT_SUFFIX
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
-from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, ROLE_STANDBY
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +76,9 @@ def peer_info(record: PeerRecord, share: tuple[float, float] | None = None) -> P
     )
 
 
-def plan_from_records(records: dict[str, PeerRecord], req: Requirements) -> Plan:
+def plan_from_records(records: dict[str, PeerRecord], req: Requirements, model: SwarmModel | None = None) -> Plan:
     shares = relay_shares(records)
-    return plan((peer_info(r, shares.get(pid)) for pid, r in records.items()), req)
+    return plan((peer_info(r, shares.get(pid)) for pid, r in records.items()), req, model)
 
 
 class Membership:
@@ -91,8 +92,11 @@ class Membership:
         refresh_s: float,
         settle_s: float,
         stop: threading.Event,
+        model: SwarmModel | None = None,
     ) -> None:
         self.runtime, self.req, self.refresh_s, self.settle_s = runtime, req, refresh_s, settle_s
+        self.model = model
+        """The planner's judge of joiners (the node passes the cost model's `MarginalGain`)."""
         self.record = record
         self.me = record.peer_id
         self.stop = stop  # the node's "leaving" flag: ends the watcher, and training
@@ -140,16 +144,24 @@ class Membership:
         when `stop` was set meanwhile."""
         self.update(role=ROLE_JOINING, vr=-1, stage=-1)
         self.stop.wait(self.settle_s)
-        for _ in range(max_attempts):
+        contests, standby_reason = 0, ""
+        while contests < max_attempts:
             if self.stop.is_set():
                 return None
-            current = plan_from_records(self._records(), self.req)
+            current = plan_from_records(self._records(), self.req, self.model)
             self._apply(current)
+            if self.role == ROLE_STANDBY:  # re-published and judged again every refresh, until the swarm changes
+                if current.reasons[self.me] != standby_reason:
+                    standby_reason = current.reasons[self.me]
+                    logger.info("%s; judged again every %.0f s", standby_reason, self.refresh_s)
+                self.stop.wait(self.refresh_s)
+                continue
             if self.role == ROLE_FULL:
                 break
             self.stop.wait(self.settle_s)
             if not self._contested(self._records()):
                 break
+            contests += 1
             logger.info("slot vr %d stage %d was claimed earlier by another peer; planning again", *self.slot)
         else:
             raise ConfigError(f"could not claim a pipeline slot after {max_attempts} attempts")
@@ -167,7 +179,7 @@ class Membership:
     def _refresh_view(self) -> None:
         """Re-plan from the current records; publish the digest if it changed; move off a contested slot."""
         records = self._records()
-        current = plan_from_records(records, self.req)
+        current = plan_from_records(records, self.req, self.model)
         if self._contested(records):
             logger.warning("lost slot vr %d stage %d to an earlier claim; planning again", *self.slot)
             self._apply(current)

@@ -14,11 +14,13 @@ when no incomplete one has a free stage the node can hold.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from hetero_node.protocol.roles import (
     REQUEST_AUTO,
@@ -27,6 +29,7 @@ from hetero_node.protocol.roles import (
     ROLE_FULL,
     ROLE_JOINING,
     ROLE_STAGE,
+    ROLE_STANDBY,
 )
 
 # Link rates at or below this (Mbps) are treated as this, so log ratios stay finite for peers that report 0.
@@ -90,7 +93,7 @@ class PeerInfo:
 
 @dataclass(frozen=True)
 class RoleDecision:
-    role: str | None  # ROLE_FULL, ROLE_STAGE, or None if the node can hold nothing
+    role: str | None  # ROLE_FULL, ROLE_STAGE, ROLE_STANDBY, or None if the node can hold nothing
     reason: str  # one human line, e.g. "full: 1.2 GB needed of 8.0 GB; round traffic 0.4 s ≤ 10% of 12 s compute"
 
 
@@ -151,12 +154,30 @@ def _traffic_check(peer: PeerInfo, req: Requirements, replicas: int) -> tuple[bo
     return fits, f"round traffic {_secs(traffic)} {'≤' if fits else '>'} {pct} of {_secs(compute)} compute"
 
 
-def decide_role(peer: PeerInfo, req: Requirements, replicas: int) -> RoleDecision:
-    """Full or stage for one node; `replicas` is the number of OTHER replicas (full + virtual) in the swarm.
+Verdict = Callable[[PeerInfo], "tuple[bool, str] | None"]
+"""Whether a joiner is worth a role, with the line that says why; None: no verdict (see `decide_role`)."""
 
-    auto: full when the model fits in memory and the round's traffic fits (see `_traffic_check`, which also says
-    what unknown throughput means); otherwise stage if some stage fits; otherwise None. A pin (--stage N) means
-    the node asked to run that stage, so an auto node with a pin is judged as a stage node.
+
+def _worth_full(peer: PeerInfo, req: Requirements, replicas: int, full_check: Verdict | None) -> tuple[bool, str]:
+    verdict = full_check(peer) if full_check is not None else None
+    return verdict if verdict is not None else _traffic_check(peer, req, replicas)
+
+
+def decide_role(
+    peer: PeerInfo,
+    req: Requirements,
+    replicas: int,
+    full_check: Verdict | None = None,
+    stage_check: Verdict | None = None,
+) -> RoleDecision:
+    """Full, stage or standby for one node; `replicas` is the number of OTHER replicas (full + virtual) in the swarm.
+
+    auto: full when the model fits in memory and the node is worth a full replica: by `full_check` (the live
+    planner's cost model) when it gives a verdict, else when the round's traffic fits (see `_traffic_check`, which
+    also says what unknown throughput means); otherwise stage if some stage fits and `stage_check` does not say a
+    pipeline of such nodes would slow the swarm (then standby: it waits and is judged again at every plan);
+    otherwise None. A pin (--stage N) means the node asked to run that stage, so an auto node with a pin is judged
+    as a stage node.
     --role full / --role stage are honoured whenever memory allows (full: the whole model; stage: some stage, or
     the pinned one); the link is not second-guessed, the operator chose. --role full with a pin is contradictory
     and gets None.
@@ -173,13 +194,13 @@ def decide_role(peer: PeerInfo, req: Requirements, replicas: int) -> RoleDecisio
             return RoleDecision(None, f"none: --role full conflicts with --stage {peer.pinned_stage}")
         if mem < req.full_memory_bytes:
             return RoleDecision(None, f"none: --role full but {full_need}")
-        _, traffic = _traffic_check(peer, req, replicas)
+        _, traffic = _worth_full(peer, req, replicas, full_check)
         return RoleDecision(ROLE_FULL, f"full (requested): {full_need}; {traffic}")
 
     why_not_full = ""
     if want == REQUEST_AUTO and peer.pinned_stage < 0:
         if mem >= req.full_memory_bytes:
-            fits, traffic = _traffic_check(peer, req, replicas)
+            fits, traffic = _worth_full(peer, req, replicas, full_check)
             if fits:
                 return RoleDecision(ROLE_FULL, f"full: {full_need}; {traffic}")
             why_not_full = f"full would fit in memory ({full_need}) but {traffic}"
@@ -192,6 +213,9 @@ def decide_role(peer: PeerInfo, req: Requirements, replicas: int) -> RoleDecisio
         largest = max(req.stage_memory_bytes[s] for s in stages)
         detail = f"stage {stages[0]} pinned" if peer.pinned_stage >= 0 else f"stages {_stage_list(stages)} fit"
         line = f"{label}: {detail} ({_gb(largest)} needed of {_gb(mem)})"
+        verdict = stage_check(peer) if stage_check is not None and want == REQUEST_AUTO else None
+        if verdict is not None and not verdict[0]:
+            return RoleDecision(ROLE_STANDBY, f"standby: {detail}, but {verdict[1]}")
         return RoleDecision(ROLE_STAGE, f"{line}; {why_not_full}" if why_not_full else line)
     return RoleDecision(None, f"none: {_no_stage_reason(peer, req)}")
 
@@ -209,11 +233,15 @@ def _no_stage_reason(peer: PeerInfo, req: Requirements) -> str:
 # ------------------------------------------------------------------------------------------------ the plan
 
 
+Replicas = tuple[tuple[str, ...], ...]
+"""Virtual replicas as their holders' peer ids in stage order."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """The assignment every node derives from the same records."""
 
-    roles: dict[str, str | None]  # every input peer id → its role (None: cannot take part)
+    roles: dict[str, str | None]  # every input peer id → its role (None: cannot take part; standby: waits)
     slots: dict[str, tuple[int, int]]  # stage peers → (vr, stage)
     reasons: dict[str, str]  # peer id → why (role decision / placement)
 
@@ -225,6 +253,10 @@ class Plan:
                 raise ValueError(f"{peer_id} holds stage {stage}, outside 0..{stages - 1}")
             out.setdefault(vr, {})[stage] = peer_id
         return out
+
+    def complete_virtual_replicas(self, stages: int) -> Replicas:
+        """The VRs every stage of which is held, as holders in stage order (by vr id)."""
+        return _complete_vrs(self.slots, stages)
 
     def missing(self, stages: int) -> dict[int, list[int]]:
         """vr → stages nobody holds, for incomplete VRs only (at least one holder, at least one gap)."""
@@ -248,6 +280,13 @@ class Plan:
         return "\n".join(f"{peer_id} → {self.reasons[peer_id]}" for peer_id in sorted(self.roles))
 
 
+def _complete_vrs(slots: Mapping[str, tuple[int, int]], stages: int) -> Replicas:
+    held: dict[int, dict[int, str]] = {}
+    for peer_id, (vr, stage) in slots.items():
+        held.setdefault(vr, {})[stage] = peer_id
+    return tuple(tuple(h[s] for s in range(stages)) for _, h in sorted(held.items()) if len(h) == stages)
+
+
 def _valid_slot(peer: PeerInfo, req: Requirements) -> bool:
     pin_ok = peer.pinned_stage < 0 or peer.stage == peer.pinned_stage
     return peer.vr >= 0 and 0 <= peer.stage < req.stages and pin_ok
@@ -261,17 +300,34 @@ def _placement_order(peer: PeerInfo, req: Requirements) -> tuple[int, bool, floa
     return (len(fitting_stages(peer, req)), peer.relayed, -peer.link_mbps, peer.peer_id)
 
 
-def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
+class SwarmModel(Protocol):
+    """The live planner's judge of a joiner against the swarm as settled so far (every peer, the full replicas, the
+    complete virtual replicas): is it worth a full replica, and would a pipeline of nodes like it help? Each answers
+    a `Verdict`. `auto_plan.MarginalGain` answers with the cost model."""
+
+    def full_gain(
+        self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
+    ) -> tuple[bool, str] | None: ...
+
+    def pipeline_gain(
+        self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
+    ) -> tuple[bool, str] | None: ...
+
+
+def plan(peers: Iterable[PeerInfo], req: Requirements, model: SwarmModel | None = None) -> Plan:
     """Roles for joining peers and slots for stage peers that need one; everything already settled stays.
 
     1. A stage peer with a valid slot keeps it; a slot claimed by several goes to the earliest claim (`claimed_at`,
        then the lowest peer id), the others stay stage peers and are placed again. A stage peer whose slot is
        invalid for this run (vr < 0, stage out of range, or not its pin) is placed again too.
     2. Full replicas stay full.
-    3. Joining peers (any role other than full or stage) get a role from `decide_role`, in peer-id order. `replicas`
+    3. Joining peers (any role other than full or stage: standby peers are judged again) get a role from
+       `decide_role`, fastest measured throughput first, then in peer-id order (so a batch of joiners settles its
+       full replicas before judging who would only slow them down). `replicas`
        starts as full replicas + VRs with at least one holder after step 1, and grows by one each time a joiner
        becomes full. Stage joiners do not count: how many VRs they form is known only after placement, so a batch
-       of joiners may be judged against fewer replicas than it ends up with; later joiners see those VRs.
+       of joiners may be judged against fewer replicas than it ends up with; later joiners see those VRs. With
+       `model`, a joiner is judged against the full replicas so far and the complete VRs.
     4. Stage peers needing a slot are placed greedily, one at a time, ordered by `_placement_order` (direct before
        relayed peers; not plain peer-id order: with id order, 2 fast + 2 slow joiners with ids fast, slow, fast,
        slow would pair fast with slow, because finishing the open VR comes first). Each goes to the best free
@@ -318,14 +374,21 @@ def plan(peers: Iterable[PeerInfo], req: Requirements) -> Plan:
             to_place.append(by_id[loser])
 
     # 3: joiners.
-    replicas = sum(role == ROLE_FULL for role in roles.values()) + len({vr for vr, _ in slots.values()})
-    for peer in ordered:
+    full = [pid for pid, role in roles.items() if role == ROLE_FULL]
+    replicas = len(full) + len({vr for vr, _ in slots.values()})
+    complete = _complete_vrs(slots, req.stages)
+    for peer in sorted(ordered, key=lambda p: (-p.tokens_per_s, p.peer_id)):
         if peer.role in (ROLE_FULL, ROLE_STAGE):
             continue
-        decision = decide_role(peer, req, replicas)
+        checks: tuple[Verdict | None, Verdict | None] = (None, None)
+        if model is not None:
+            settled = (by_id, tuple(full), complete)
+            checks = functools.partial(model.full_gain, *settled), functools.partial(model.pipeline_gain, *settled)
+        decision = decide_role(peer, req, replicas, *checks)
         roles[peer.peer_id], reasons[peer.peer_id] = decision.role, decision.reason
         if decision.role == ROLE_FULL:
             replicas += 1
+            full.append(peer.peer_id)
         elif decision.role == ROLE_STAGE:
             to_place.append(peer)
 
