@@ -85,7 +85,7 @@ bench-poison: venv
 bench-soak: venv data
 	$(BIN)/hetero-node bench-soak --out bench/results/soak
 
-# What a circuit relay costs: two replicas on 20 Mbit/s links, direct, then one, then both behind NAT routers (root; ~6 min).
+# What a circuit relay costs: two replicas on 20 Mbit/s links, direct, then one, then both behind NAT routers (root; ~4 min).
 bench-nat: venv data
 	$(BIN)/hetero-node bench-nat --out bench/results/nat
 

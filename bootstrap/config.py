@@ -43,16 +43,8 @@ class BootstrapConfig:
 class RelayConfig:
     """What this node lends to peers behind NAT: every reachable node (the bootstrap included) relays for them."""
 
-    relay_slots: int = field(
-        default=32, metadata={"help": "Peers behind NAT that may relay through this node at once (0: relay nobody)."}
-    )
-    relay_mb: int = field(
-        default=1024,
-        metadata={"help": "MB one relayed connection may carry each way before it is reset (the peer reconnects)."},
-    )
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.relay_slots <= 10_000:
-            raise ConfigError(f"--relay-slots must be in 0..10000, got {self.relay_slots}")
-        if not 1 <= self.relay_mb <= 1 << 20:
-            raise ConfigError(f"--relay-mb must be in 1..{1 << 20}, got {self.relay_mb}")
+    relay: bool = field(
+        default=True,
+        metadata={"help": "Relay for peers behind NAT (--no-relay: never; this node then cannot dial relayed peers, "
+                  "they dial it)."},
+    )  # fmt: skip

@@ -114,13 +114,20 @@ def circuit_multiaddr(relay: str) -> Any:
     return Multiaddr(raw + varint.encode(CIRCUIT_CODE))
 
 
-def bound_relay_service(slots: int, megabytes: int) -> None:
-    """Bound what this node lends as a circuit relay. hivemind's p2pd relays for anyone by default (go-libp2p's
-    limits: 128 reservations, 4 GB per relayed connection) and hivemind exposes no setting for it, so the flags go
-    in through hivemind's daemon-argument builder, for every daemon this process (or a child forked later) starts:
-    `slots` peers relayed at once (0: relaying is off), `megabytes` per relayed connection each way. p2pd has no
-    rate limit, so a relay's bandwidth is bounded only through these."""
-    _set_daemon_flags(relayService=slots > 0, relayMaxReservations=max(slots, 1), relayDataLimit=megabytes << 20)
+def lend_relay(enabled: bool, dial_circuits: bool = False) -> None:
+    """Whether this node relays for peers behind NAT, for every daemon this process (or a child forked later)
+    starts. p2pd cannot bound what it relays: hivemind 1.1.12's p2pd builds its relay service from its
+    `-relay*` flags and then starts a second one with go-libp2p's defaults, which takes over (measured: every
+    relayed connection reset after 128 KiB each way; the defaults also allow 128 reservations, 16 circuits per
+    peer, 2 minutes per circuit). `-relayService=0` does not stop that second one either; only `-relay=0` does,
+    which also takes away the circuit transport, so a node that does not lend can no longer dial relayed peers
+    (they dial out to it instead). `dial_circuits`: keep the transport (a node behind NAT, which nobody can reach
+    to be relayed through anyway, needs it to be reached)."""
+    if enabled or dial_circuits:
+        _daemon_flags.pop("relay", None)
+        _set_daemon_flags(relayService=enabled)
+    else:
+        _set_daemon_flags(relayService=False, relay=False)
 
 
 def reserve_on_trusted_relays_only(enabled: bool = True) -> None:

@@ -21,10 +21,10 @@ def options(**values: str | bool) -> list[str]:
     return args
 
 
-def run_args(rounds: int, inner_steps: int = 8, **extra: str) -> list[str]:
+def run_args(rounds: int, inner_steps: int = 8, preset: str = "tiny", **extra: str) -> list[str]:
     """The tests' run definition; the bootstrap announces it and replicas adopt it."""
     args = [
-        "--preset", "tiny", "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
+        "--preset", preset, "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
         "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
     ]  # fmt: skip
     return args + options(**extra)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -20,12 +21,15 @@ from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.bench.nat_relay import render_markdown, summarise
 from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 from hetero_node.bootstrap.config import RelayConfig
-from hetero_node.protocol.reachability import bound_relay_service, reserve_on_trusted_relays_only
+from hetero_node.client.swarm.runtime import RELAYED_PIECE_BYTES, PartialBlob, PeerRuntime, wire
+from hetero_node.protocol.reachability import lend_relay, reserve_on_trusted_relays_only
 
 UNAVAILABLE = nat_unavailable_reason()
 needs_nat_lab = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"NAT lab unavailable: {UNAVAILABLE}")
 
 LINK_MBIT = 100.0
+RELAY_CIRCUIT_BYTES = 128 << 10
+"""What a relayed connection carries each way before hivemind's p2pd relay resets it (measured, whatever its flags)."""
 LISTEN = "import socket, time; s = socket.socket(); s.bind(('0.0.0.0', 5555)); s.listen(); time.sleep(30)"
 CONNECT = (
     "import socket, sys; s = socket.socket(); s.settimeout(2)\n"
@@ -98,11 +102,13 @@ def train_two_replicas(
 @pytest.mark.timeout(400)
 def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribute_every_round(tmp_path: Path) -> None:
     """Neither can dial the other: every byte between them crosses the bootstrap's relay. It needs a reservation
-    on the relay from the start (static relays) and averagers that lead groups though their DHT is a client."""
+    on the relay from the start (static relays), averagers that lead groups though their DHT is a client, and
+    fetches that resume over a fresh circuit: p2pd's relay resets each circuit after 128 KiB each way, and one
+    `small` message (two shards of 142 KB) is larger than that."""
     with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:
-        peers = swarm.start_bootstrap(run_args(4, inner_steps=6))
-        first, second = train_two_replicas(swarm, peers, tmp_path, rounds=4)
-    assert all(first[t]["bytes_received"] == second[t]["bytes_received"] > 0 for t in range(4))  # each other's
+        peers = swarm.start_bootstrap(run_args(3, inner_steps=1000, preset="small", round_s="8"))
+        first, second = train_two_replicas(swarm, peers, tmp_path, rounds=3)
+    assert all(first[t]["bytes_received"] == second[t]["bytes_received"] > 2 * RELAY_CIRCUIT_BYTES for t in range(3))
 
 
 @needs_nat_lab
@@ -142,9 +148,10 @@ def vr_rounds(workdir: Path) -> list[int]:
 
 
 def test_relay_flags_reach_the_daemon() -> None:
-    """The --relay-slots / --relay-mb flags are on the command line of the p2pd hivemind starts, and it runs; a
-    relayed node's daemon reserves on its trusted relays only (no 3-minute wait for discovered candidates), while a
-    daemon without trusted relays keeps discovery (p2pd refuses auto-relay with neither)."""
+    """--relay / --no-relay reach the command line of the p2pd hivemind starts, and it runs: --no-relay takes the
+    relay transport away too (p2pd's default relay service would answer otherwise), while a node behind NAT keeps
+    it to be reached; a relayed node's daemon reserves on its trusted relays only (no 3-minute wait for discovered
+    candidates), while a daemon without trusted relays keeps discovery (p2pd refuses auto-relay with neither)."""
     from hivemind.p2p import P2P
 
     async def daemon_command_line(**options: Any) -> list[str]:
@@ -164,17 +171,20 @@ def test_relay_flags_reach_the_daemon() -> None:
             await relay.shutdown()
 
     try:
-        bound_relay_service(3, 10)
+        lend_relay(True)
         lent = asyncio.run(daemon_command_line())
-        bound_relay_service(0, 1)
+        lend_relay(False)
         off = asyncio.run(daemon_command_line())
+        lend_relay(False, dial_circuits=True)
+        behind_nat = asyncio.run(daemon_command_line())
         reserve_on_trusted_relays_only()
         relayed, discovering = asyncio.run(relayed_command_lines())
     finally:
-        bound_relay_service(RelayConfig().relay_slots, RelayConfig().relay_mb)
+        lend_relay(RelayConfig().relay)
         reserve_on_trusted_relays_only(enabled=False)
-    assert {"-relayService=1", "-relayMaxReservations=3", f"-relayDataLimit={10 << 20}"} <= set(lent), lent
-    assert "-relayService=0" in off and "-relayService=1" not in off
+    assert {"-relayService=1", "-relay=1"} <= set(lent), lent
+    assert {"-relayService=0", "-relay=0"} <= set(off), off
+    assert {"-relayService=0", "-relay=1"} <= set(behind_nat), behind_nat
     assert "-relayDiscovery=0" in relayed and not any(a.startswith("-relayDiscovery") for a in discovering)
 
 
@@ -220,3 +230,37 @@ def test_the_relay_bench_summarises_rounds_and_links() -> None:
         "scenarios": {"relayed": summarise(run, 2)},
     }
     assert "| relayed | 2, 1 | 2.0, 2.0 | 1,000, 1,000 | 15.0 | 450, 200, 300 | NO |" in render_markdown(report)
+
+
+def test_a_blob_resumes_at_an_offset_in_small_pieces_and_a_blob_that_changes_meanwhile_is_refused() -> None:
+    """How a fetch through a relay survives the circuit's resets: it asks for the rest of the blob, in pieces
+    small enough for one circuit, and never stitches two different blobs together."""
+    server = PeerRuntime([])
+    try:
+        server.join_run("0123456789abcdef")
+        blob = bytes(range(256)) * 400  # 102,400 bytes
+        server.publish("payload", 0, 1, blob)
+
+        async def pieces(offset: int, piece_bytes: int) -> list[bytes]:
+            request = wire.BlobRequest(kind="payload", shard=0, round=1, offset=offset, piece_bytes=piece_bytes)
+            return [piece.data async for piece in server._serve_blob(request, SimpleNamespace(remote_id="asker"))]
+
+        async def scenario() -> None:
+            rest = await pieces(40_000, RELAYED_PIECE_BYTES)
+            assert [len(p) for p in rest] == [RELAYED_PIECE_BYTES, 62_400 - RELAYED_PIECE_BYTES]
+            assert b"".join(rest) == blob[40_000:]
+            assert [len(p) for p in await pieces(0, 0)] == [len(blob)]  # a direct peer: the default pieces
+            with pytest.raises(ValueError, match="past the"):
+                await pieces(len(blob) + 1, 0)
+
+        server.run(scenario(), timeout=60)
+    finally:
+        server.shutdown()
+    partial = PartialBlob("peer", "payload", max_size=1000)
+    partial.add(wire.BlobChunk(data=b"ab", total_size=4, round=7))
+    with pytest.raises(ValueError, match="changed while"):
+        partial.add(wire.BlobChunk(data=b"cd", total_size=4, round=8))  # the peer moved on to another round
+    partial.add(wire.BlobChunk(data=b"cd", total_size=4, round=7))
+    assert partial.complete and partial.data == b"abcd" and partial.round == 7
+    with pytest.raises(ValueError, match="more than the 1000 expected"):
+        PartialBlob("peer", "state", max_size=1000).add(wire.BlobChunk(data=b"", total_size=1001, round=1))

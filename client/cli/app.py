@@ -189,10 +189,10 @@ def _run_configs(
     return configs, explicit
 
 
-def _bound_relay_service(relay: RelayConfig) -> None:
-    from hetero_node.protocol.reachability import bound_relay_service
+def _lend_relay(relay: RelayConfig) -> None:
+    from hetero_node.protocol.reachability import lend_relay
 
-    bound_relay_service(relay.relay_slots, relay.relay_mb)
+    lend_relay(relay.relay)
 
 
 RUN_FILE_OPTION = typer.Option(
@@ -222,7 +222,7 @@ def bootstrap(
 
     configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     run, _store = prepare_run(*configs.values())
-    _bound_relay_service(relay)
+    _lend_relay(relay)
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
@@ -273,7 +273,7 @@ def join(
     peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
     node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
     configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
-    _bound_relay_service(relay)
+    _lend_relay(relay)
     if quiet:
         run_node(configs, explicit, node, timeouts, role.value, stage, on_status=lambda _: None)
         return

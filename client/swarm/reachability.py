@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from hetero_node.protocol.reachability import (
     ask_dial_back,
-    bound_relay_service,
     circuit_multiaddr,
+    lend_relay,
     reserve_on_trusted_relays_only,
 )
 from hetero_node.protocol.records import PeerRecord
@@ -31,8 +31,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CIRCUIT_SUFFIX = "/p2p-circuit"
-REDIAL_S = 60.0
-"""How often a relayed peer's circuit is dialed again (relayed connections are closed by the relay after a while)."""
+REDIAL_S = 2.0
+"""Least time between two dials of one relayed peer's circuit. Its record is read every few seconds, and each read
+dials it again (a no-op while connected): hivemind's p2pd relays with go-libp2p's default limits whatever its
+flags say (its `EnableRelayV2` starts a second relay service with default resources, which replaces the
+configured one), so a relay resets every circuit after 128 KiB each way or 2 minutes, and the peerstore then keeps
+only the peer's private addresses, which nobody can dial."""
 MAX_ASKED = 3
 
 
@@ -107,7 +111,7 @@ def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: st
             "relay", ", ".join(result.observed) or "?", ", ".join(map(str, result.ports)),
         )  # fmt: skip
         runtime.shutdown()
-    bound_relay_service(0, 1)  # nobody can reach us to be relayed
+    lend_relay(False, dial_circuits=True)  # nobody can reach us to be relayed; we must be reached through one
     reserve_on_trusted_relays_only()  # a reservation at once, not after p2pd's 3-minute wait for more candidates
     runtime = start(peers)
     logger.info("relayed through %s", ", ".join(peers))
@@ -123,21 +127,34 @@ class RelayDialer:
     def __init__(self, runtime: PeerRuntime) -> None:
         self.runtime = runtime
         self._dialed: dict[str, float] = {}
+        self._circuits: dict[str, list[Any]] = {}
+        """Peers reachable only through a relay → their circuit addresses, as their records last said."""
 
     def note(self, records: dict[str, PeerRecord]) -> None:
         now = time.monotonic()
         for pid, record in records.items():
-            if pid == str(self.runtime.peer_id) or now - self._dialed.get(pid, -REDIAL_S) < REDIAL_S:
+            if pid == str(self.runtime.peer_id):
                 continue
             circuits = [a for a in record.addrs if a.endswith(CIRCUIT_SUFFIX)]
             if circuits:
-                addrs = [circuit_multiaddr(a) for a in circuits[:4]]
+                addrs = self._circuits[pid] = [circuit_multiaddr(a) for a in circuits[:4]]
             elif self.runtime.relays:
                 addrs = [_without_peer_id(a) for a in record.addrs[:4]]
             else:
                 continue
-            self._dialed[pid] = now
-            asyncio.run_coroutine_threadsafe(self._connect(pid, addrs), self.runtime.loop)
+            if now - self._dialed.get(pid, -REDIAL_S) >= REDIAL_S:
+                self._dialed[pid] = now
+                asyncio.run_coroutine_threadsafe(self._connect(pid, addrs), self.runtime.loop)
+
+    def through_relay(self, pid: str) -> bool:
+        """Whether `pid` is reached through a circuit relay (its record announces circuits only)."""
+        return pid in self._circuits
+
+    async def redial(self, pid: str) -> None:
+        """Dial `pid`'s circuit now: its relay reset the last one (see REDIAL_S)."""
+        if pid in self._circuits:
+            self._dialed[pid] = time.monotonic()
+            await self._connect(pid, self._circuits[pid])
 
     async def _connect(self, pid: str, addrs: list[Any]) -> None:
         from hivemind.p2p import PeerID

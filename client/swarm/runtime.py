@@ -41,6 +41,10 @@ T = TypeVar("T")
 LATEST_KINDS = ("state", "fixed", "embed")
 """Blob kinds a peer serves its newest copy of, whatever round others are in (state for late joiners)."""
 BLOB_PIECE_BYTES = 1 << 20
+RELAYED_PIECE_BYTES = 32 << 10
+"""Pieces from a peer behind a circuit relay: several fit in the 128 KiB a relayed connection carries."""
+MAX_RELAYED_STALLS = 3
+"""Fresh circuits in a row that may bring no byte of a blob before its fetch fails."""
 """Stream pieces stay far below libp2p's 4 MiB message cap (ARCHITECTURE.md, hivemind pitfall A)."""
 KEPT_ROUNDS = 4
 """Blobs of the last rounds stay served, so a slow peer can still fetch them (or catch up from them) after we
@@ -152,6 +156,38 @@ def use_fork_start_method() -> None:
     """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
     state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
     multiprocessing.set_start_method("fork", force=True)
+
+
+class PartialBlob:
+    """The pieces of one blob received so far, checked as they come: never more than announced or allowed, and
+    never pieces of two different rounds (a resumed transfer must continue the same blob)."""
+
+    def __init__(self, peer: str, kind: str, max_size: int) -> None:
+        self.peer, self.kind, self.max_size = peer, kind, max_size
+        self.pieces: list[bytes] = []
+        self.received, self.size = 0, -1
+        self.round: int | None = None
+
+    def add(self, piece: Any) -> None:
+        if piece.total_size > self.max_size:
+            raise ValueError(
+                f"peer {self.peer} offers {piece.total_size} bytes, more than the {self.max_size} expected"
+            )
+        if self.round is not None and (piece.round, piece.total_size) != (self.round, self.size):
+            raise ValueError(f"peer {self.peer}'s {self.kind} changed while it was being fetched")
+        self.round, self.size = piece.round, piece.total_size
+        self.pieces.append(piece.data)
+        self.received += len(piece.data)
+        if self.received > self.size:
+            raise ValueError(f"peer {self.peer} sent more bytes than it announced")
+
+    @property
+    def complete(self) -> bool:
+        return self.round is not None and self.received == self.size
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.pieces)
 
 
 class PeerRuntime:
@@ -345,8 +381,11 @@ class PeerRuntime:
                 data = await asyncio.get_running_loop().run_in_executor(None, data)
                 with self._blobs_lock:
                     self._blobs.get((request.kind, request.shard), {}).update({round_: data})
-            for start in range(0, max(len(data), 1), BLOB_PIECE_BYTES):
-                piece = wire.BlobChunk(data=data[start : start + BLOB_PIECE_BYTES], total_size=len(data), round=round_)
+            if request.offset > len(data):
+                raise ValueError(f"offset {request.offset} is past the {len(data)} bytes of this blob")
+            step = min(request.piece_bytes or BLOB_PIECE_BYTES, BLOB_PIECE_BYTES)
+            for start in range(request.offset, max(len(data), request.offset + 1), step):
+                piece = wire.BlobChunk(data=data[start : start + step], total_size=len(data), round=round_)
                 self.bytes_served_total += piece.ByteSize()
                 yield piece
             self._last_request = time.monotonic()
@@ -373,22 +412,36 @@ class PeerRuntime:
         return await self.fetch_async(peer_id, kind, shard, round_, max_size)
 
     async def fetch_async(self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int) -> tuple[int, bytes]:
-        request = wire.BlobRequest(kind=kind, shard=shard, round=round_)
-        pieces, received, served_round, announced = [], 0, None, -1
-        stream = await self.p2p.iterate_protobuf_handler(
-            peer_id, blob_handler_name(self.run_id), request, wire.BlobChunk
-        )
-        async for piece in stream:
-            if piece.total_size > max_size:
-                raise ValueError(f"peer {peer_id} offers {piece.total_size} bytes, more than the {max_size} expected")
-            served_round, announced = piece.round, piece.total_size
-            pieces.append(piece.data)
-            received += len(piece.data)
-            if received > announced:
-                raise ValueError(f"peer {peer_id} sent more bytes than it announced")
-        if served_round is None or received != announced:
-            raise ValueError(f"peer {peer_id} sent a truncated {kind} ({received} of {announced} bytes)")
-        return served_round, b"".join(pieces)
+        """Download a blob in one stream. From a peer reached through a circuit relay it comes in small pieces and
+        resumes where a reset cut it off, over a fresh circuit: p2pd's relay service resets every relayed
+        connection after 128 KiB each way, whatever its flags say (`RelayDialer`)."""
+        from hivemind.p2p import P2PHandlerError  # the peer answered with an error: resuming cannot help
+
+        relayed = self.relay_dialer.through_relay(str(peer_id))
+        blob = PartialBlob(str(peer_id), kind, max_size)
+        stalls = 0
+        while True:
+            request = wire.BlobRequest(
+                kind=kind, shard=shard, round=round_ if blob.round is None else blob.round, offset=blob.received,
+                piece_bytes=RELAYED_PIECE_BYTES if relayed else 0,
+            )  # fmt: skip
+            before, error = blob.received, None
+            try:
+                stream = await self.p2p.iterate_protobuf_handler(
+                    peer_id, blob_handler_name(self.run_id), request, wire.BlobChunk
+                )
+                async for piece in stream:
+                    blob.add(piece)
+            except Exception as e:  # the circuit was reset under us (or the peer failed): maybe resume below
+                error = e
+            if blob.complete:
+                return blob.round, blob.data  # type: ignore[return-value]  # complete: the round is known
+            stalls = 0 if blob.received > before else stalls + 1
+            if not relayed or stalls > MAX_RELAYED_STALLS or isinstance(error, (ValueError, P2PHandlerError)):
+                raise error or ValueError(
+                    f"peer {peer_id} sent a truncated {kind} ({blob.received} of {blob.size} bytes)"
+                )
+            await self.relay_dialer.redial(str(peer_id))
 
     def served_since(self, since: float) -> bool:
         """Whether any blob was requested after `since` (monotonic time): others still fetch from us."""
