@@ -163,6 +163,7 @@ def test_the_live_planner_judges_joiners_by_the_models_gain_where_the_traffic_ru
     assert [rules.roles[p.peer_id] for p in joiners] == [ROLE_STAGE, ROLE_FULL, ROLE_STAGE, ROLE_STAGE]
     assert "91 → 159" in live.reasons["j1"] and "a pipeline of nodes like it" in live.reasons["j3"]
     assert "j4" in live.slots and not ({"j2", "j3"} & set(live.slots))
+    assert "a pipeline of nodes like it" in live.reasons["j4"]  # the operator sees why it was placed
     judge = MarginalGain(SHAPE, links)
     assert judge.full_gain({"a": settled}, ("a",), (), peer("x", 0, 8)) is None  # unknown speed: the rule decides
     verdict = judge.full_gain({"j1": joiners[0]}, (), (), joiners[0])  # the first replica always adds

@@ -216,7 +216,8 @@ def decide_role(
         verdict = stage_check(peer) if stage_check is not None and want == REQUEST_AUTO else None
         if verdict is not None and not verdict[0]:
             return RoleDecision(ROLE_STANDBY, f"standby: {detail}, but {verdict[1]}")
-        return RoleDecision(ROLE_STAGE, f"{line}; {why_not_full}" if why_not_full else line)
+        reasons = [line, *([why_not_full] if why_not_full else []), *([verdict[1]] if verdict else [])]
+        return RoleDecision(ROLE_STAGE, "; ".join(reasons))
     return RoleDecision(None, f"none: {_no_stage_reason(peer, req)}")
 
 
