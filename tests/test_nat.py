@@ -21,7 +21,14 @@ from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.bench.nat_relay import render_markdown, summarise
 from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 from hetero_node.bootstrap.config import RelayConfig
-from hetero_node.client.swarm.runtime import RELAYED_PIECE_BYTES, PartialBlob, PeerRuntime, wire
+from hetero_node.client.swarm.runtime import (
+    RELAYED_PIECE_BYTES,
+    STATE_REQUESTS_PER_MINUTE,
+    PartialBlob,
+    PeerRuntime,
+    wire,
+)
+from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.reachability import lend_relay, reserve_on_trusted_relays_only
 
 UNAVAILABLE = nat_unavailable_reason()
@@ -241,8 +248,8 @@ def test_a_blob_resumes_at_an_offset_in_small_pieces_and_a_blob_that_changes_mea
         blob = bytes(range(256)) * 400  # 102,400 bytes
         server.publish("payload", 0, 1, blob)
 
-        async def pieces(offset: int, piece_bytes: int) -> list[bytes]:
-            request = wire.BlobRequest(kind="payload", shard=0, round=1, offset=offset, piece_bytes=piece_bytes)
+        async def pieces(offset: int, piece_bytes: int, kind: str = "payload") -> list[bytes]:
+            request = wire.BlobRequest(kind=kind, shard=0, round=1, offset=offset, piece_bytes=piece_bytes)
             return [piece.data async for piece in server._serve_blob(request, SimpleNamespace(remote_id="asker"))]
 
         async def scenario() -> None:
@@ -252,6 +259,13 @@ def test_a_blob_resumes_at_an_offset_in_small_pieces_and_a_blob_that_changes_mea
             assert [len(p) for p in await pieces(0, 0)] == [len(blob)]  # a direct peer: the default pieces
             with pytest.raises(ValueError, match="past the"):
                 await pieces(len(blob) + 1, 0)
+            server.publish("state", 0, 1, blob)  # whole states are budgeted per peer; a resumed one pays its share
+            for _ in range(STATE_REQUESTS_PER_MINUTE - 1):
+                await pieces(0, 0, kind="state")
+            for _ in range(2):
+                assert len(b"".join(await pieces(len(blob) // 2, RELAYED_PIECE_BYTES, kind="state"))) == len(blob) // 2
+            with pytest.raises(PayloadError, match="states in the last minute"):
+                await pieces(len(blob) - 1, 0, kind="state")
 
         server.run(scenario(), timeout=60)
     finally:

@@ -57,7 +57,8 @@ fetches at a time (8 stages at most) plus a manifest; one that loops requests mu
 STATE_REQUESTS_PER_MINUTE = 60
 """Whole states (and T_fixed tables) one peer may ask us for per minute: a 10-byte request makes us serialize and
 stream a shard, so a looping peer must not turn us into its amplifier (security review H5). An honest stage asks for
-T_fixed once per round and for states once per shard when it (re)loads, with retries."""
+T_fixed once per round and for states once per shard when it (re)loads, with retries. A request resumed at an
+offset (through a relay) counts as the share of the blob it asks for."""
 MEMBER_REREAD_S = 1.0
 """Private swarms: an unknown peer asking for a blob makes us re-read the records at most this often."""
 
@@ -369,8 +370,6 @@ class PeerRuntime:
             raise PayloadError(f"{peer} is not a member of this private swarm")
         if self._open_streams[peer] >= MAX_STREAMS_PER_PEER:  # the counter lives on the event loop: no lock
             raise PayloadError(f"{peer} already holds {MAX_STREAMS_PER_PEER} blob streams open here")
-        if request.kind in LATEST_KINDS and not self._state_budget.take(peer, 1):
-            raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
         self._open_streams[peer] += 1
         try:
             found = self._lookup(request.kind, request.shard, request.round)
@@ -383,6 +382,9 @@ class PeerRuntime:
                     self._blobs.get((request.kind, request.shard), {}).update({round_: data})
             if request.offset > len(data):
                 raise ValueError(f"offset {request.offset} is past the {len(data)} bytes of this blob")
+            resumed_share = (len(data) - request.offset) / max(len(data), 1)  # a resumed transfer pays what is left
+            if request.kind in LATEST_KINDS and not self._state_budget.take(peer, resumed_share):
+                raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
             step = min(request.piece_bytes or BLOB_PIECE_BYTES, BLOB_PIECE_BYTES)
             for start in range(request.offset, max(len(data), request.offset + 1), step):
                 piece = wire.BlobChunk(data=data[start : start + step], total_size=len(data), round=round_)
@@ -412,8 +414,8 @@ class PeerRuntime:
         return await self.fetch_async(peer_id, kind, shard, round_, max_size)
 
     async def fetch_async(self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int) -> tuple[int, bytes]:
-        """Download a blob in one stream. From a peer reached through a circuit relay it comes in small pieces and
-        resumes where a reset cut it off, over a fresh circuit: p2pd's relay service resets every relayed
+        """Download a blob: (its round, its bytes). From a peer reached through a circuit relay it comes in small
+        pieces and resumes where a reset cut it off, over a fresh circuit: p2pd's relay service resets every relayed
         connection after 128 KiB each way, whatever its flags say (`RelayDialer`)."""
         from hivemind.p2p import P2PHandlerError  # the peer answered with an error: resuming cannot help
 
