@@ -34,6 +34,11 @@ def contributor_limit(outer: OuterConfig) -> int:
     return outer.max_contributors if outer.outer == "sparseloco" else 0
 
 
+def aggregated(contributors: int, limit: int) -> int:
+    """Messages a round aggregates: at most `limit` (K; 0: no limit) of the contributors'."""
+    return min(contributors, limit) if limit > 0 else contributors
+
+
 def selection_seed(run_id: str, shard: int, round_: int, start_fp: str) -> str:
     """What a round's subset is drawn from: θ(t) (unknown before the round) and where the round is (so a round that
     left θ unchanged, e.g. because every selected message was dropped, still draws another subset)."""
@@ -43,7 +48,7 @@ def selection_seed(run_id: str, shard: int, round_: int, start_fp: str) -> str:
 def selected_contributors(names: Sequence[str], limit: int, seed: str) -> list[str]:
     """The contributors (peer ids) whose messages this round aggregates, in canonical (sorted) order: all of them
     when `limit` is 0 or not exceeded, else the `limit` with the smallest hash of (seed, peer id)."""
-    if limit <= 0 or len(names) <= limit:
+    if aggregated(len(names), limit) == len(names):
         return sorted(names)
 
     def ticket(name: str) -> bytes:

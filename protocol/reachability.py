@@ -36,7 +36,7 @@ P2P_CODE, CIRCUIT_CODE = 421, 290
 _build_daemon_args: Any = None
 """hivemind's own `P2P._make_process_args`, kept when `_set_daemon_flags` first wraps it."""
 _daemon_flags: dict[str, Any] = {}
-"""Extra p2pd flags for every daemon this process starts (relay bounds, static relays)."""
+"""Extra p2pd flags for every daemon this process starts (relaying on or off, relay discovery)."""
 
 
 def observed_hosts(addrs: list[Any]) -> list[str]:
@@ -116,13 +116,13 @@ def circuit_multiaddr(relay: str) -> Any:
 
 def lend_relay(enabled: bool, dial_circuits: bool = False) -> None:
     """Whether this node relays for peers behind NAT, for every daemon this process (or a child forked later)
-    starts. p2pd cannot bound what it relays: hivemind 1.1.12's p2pd builds its relay service from its
-    `-relay*` flags and then starts a second one with go-libp2p's defaults, which takes over (measured: every
-    relayed connection reset after 128 KiB each way; the defaults also allow 128 reservations, 16 circuits per
-    peer, 2 minutes per circuit). `-relayService=0` does not stop that second one either; only `-relay=0` does,
-    which also takes away the circuit transport, so a node that does not lend can no longer dial relayed peers
-    (they dial out to it instead). `dial_circuits`: keep the transport (a node behind NAT, which nobody can reach
-    to be relayed through anyway, needs it to be reached)."""
+    starts. p2pd cannot bound what it relays: hivemind 1.1.12's p2pd builds its relay service from its `-relay*`
+    flags and then starts a second one with go-libp2p's defaults (its `EnableRelayV2`), which takes over (measured:
+    every relayed connection reset after 128 KiB each way; by go-libp2p's source the defaults also end a circuit
+    after 2 minutes and allow 128 reservations and 16 circuits per peer). By its source `-relayService=0` does not
+    stop that second one either; only `-relay=0` does, which also takes away the circuit transport, so a node that
+    does not lend can no longer dial relayed peers (they dial out to it instead). `dial_circuits`: keep the
+    transport (a node behind NAT, which nobody can reach to be relayed through anyway, needs it to be reached)."""
     if enabled or dial_circuits:
         _daemon_flags.pop("relay", None)
         _set_daemon_flags(relayService=enabled)

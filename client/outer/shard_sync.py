@@ -301,19 +301,20 @@ class ShardSync:
         `scheduled_time` (DHT time) with at least two."""
         from hivemind.utils import get_dht_time
 
-        wait_s = max(0.0, scheduled_time - get_dht_time())
-        timeout = wait_s + 2 * self.timeouts.matchmaking_s  # a group that has not formed by then will not
-        logger.info("shard %d round %d: group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s)
+        def wait_s() -> float:
+            return max(0.0, scheduled_time - get_dht_time())
+
+        def timeout() -> float:
+            return wait_s() + 2 * self.timeouts.matchmaking_s  # a group that has not formed by then will not
+
+        logger.info("shard %d round %d: group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s())
         # a search still ending holds hivemind's matchmaking lock: our step could not search before it ends anyway
-        if not self.averager.prepare_round(pending.round, max(2, expected), settle_s=timeout):
+        if not self.averager.prepare_round(pending.round, max(2, expected), settle_s=timeout()):
             logger.warning("shard %d round %d: the previous round's group search has not ended; receiving this "
                            "round from the others' messages", self.shard, pending.round)  # fmt: skip
             return
         pending.control = self.averager.step(
-            gather=pending.meta.to_wire(),
-            scheduled_time=max(get_dht_time(), scheduled_time),
-            wait=False,
-            timeout=max(0.0, scheduled_time - get_dht_time()) + 2 * self.timeouts.matchmaking_s,
+            gather=pending.meta.to_wire(), scheduled_time=get_dht_time() + wait_s(), wait=False, timeout=timeout()
         )
 
     def drop(self, pending: PendingRound) -> None:

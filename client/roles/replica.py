@@ -46,7 +46,7 @@ from hetero_node.models.shards import fingerprint
 from hetero_node.models.subspace import drift_transfer_, embedding_change
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.protocol.errors import CheckpointError, DaemonError, PayloadError
-from hetero_node.protocol.flat_exchange import contributor_limit
+from hetero_node.protocol.flat_exchange import aggregated, contributor_limit
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import RunConfig
 
@@ -460,8 +460,7 @@ class Replica(ABC):
         if not 0 < behind <= KEPT_ROUNDS or not all(sync.small_messages for sync in self.syncs.values()):
             return False
         replicas = max(1, view.replica_count(records, self.run_cfg.outer.stages))
-        limit = contributor_limit(self.run_cfg.outer)  # a manifest lists at most K messages
-        per_round = min(replicas, limit) if limit else replicas
+        per_round = aggregated(replicas, contributor_limit(self.run_cfg.outer))  # a manifest lists at most K
         messages = sum(sync.method.max_message_bytes for sync in self.syncs.values()) * per_round * behind
         return 2 * messages < sum(sync.state_bytes for sync in self.syncs.values())
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from hetero_node.client.swarm.planner import PeerInfo
-from hetero_node.protocol.flat_exchange import contributor_limit
+from hetero_node.protocol.flat_exchange import aggregated, contributor_limit
 from hetero_node.protocol.run_config import RunConfig
 
 EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
@@ -248,11 +248,6 @@ def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, links: LinkMode
         slots.append((compute + _transfer_s(*boundary_bytes(stage, shape), peer)) / shape.microbatches)
     latency = (shape.stages - 1) * links.rtt_ms / 1e3  # one way forward and one way back per boundary
     return (shape.microbatches + shape.stages - 1) * max(slots) + latency
-
-
-def aggregated(contributors: int, limit: int) -> int:
-    """Messages a round aggregates: at most `limit` (K; 0: no limit) of the contributors'."""
-    return min(contributors, limit) if limit > 0 else contributors
 
 
 def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int = 0) -> float:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from hetero_node.protocol.flat_exchange import aggregated
 from hetero_node.protocol.roles import (
     REQUEST_AUTO,
     REQUEST_FULL,
@@ -127,7 +128,7 @@ def round_traffic_seconds(peer: PeerInfo, req: Requirements, replicas: int) -> f
     It downloads each aggregated message (at most K of theirs) and relays as much (up = down = message × min(replicas,
     K)), both at once, so the slower direction decides. A zero rate with traffic to move is infinitely slow.
     """
-    messages = min(replicas, req.max_contributors) if req.max_contributors > 0 else replicas
+    messages = aggregated(replicas, req.max_contributors)
     nbytes = req.replica_round_bytes * messages
     if nbytes <= 0:
         return 0.0

@@ -33,10 +33,8 @@ logger = logging.getLogger(__name__)
 CIRCUIT_SUFFIX = "/p2p-circuit"
 REDIAL_S = 2.0
 """Least time between two dials of one relayed peer's circuit. Its record is read every few seconds, and each read
-dials it again (a no-op while connected): hivemind's p2pd relays with go-libp2p's default limits whatever its
-flags say (its `EnableRelayV2` starts a second relay service with default resources, which replaces the
-configured one), so a relay resets every circuit after 128 KiB each way or 2 minutes, and the peerstore then keeps
-only the peer's private addresses, which nobody can dial."""
+dials it again (a no-op while connected): relays reset circuits after 128 KiB (`protocol.reachability.lend_relay`),
+and the peerstore then keeps only the peer's private addresses, which nobody can dial."""
 MAX_ASKED = 3
 
 

@@ -41,11 +41,11 @@ T = TypeVar("T")
 LATEST_KINDS = ("state", "fixed", "embed")
 """Blob kinds a peer serves its newest copy of, whatever round others are in (state for late joiners)."""
 BLOB_PIECE_BYTES = 1 << 20
+"""Stream pieces stay far below libp2p's 4 MiB message cap (ARCHITECTURE.md, hivemind pitfall A)."""
 RELAYED_PIECE_BYTES = 32 << 10
 """Pieces from a peer behind a circuit relay: several fit in the 128 KiB a relayed connection carries."""
 MAX_RELAYED_STALLS = 3
 """Fresh circuits in a row that may bring no byte of a blob before its fetch fails."""
-"""Stream pieces stay far below libp2p's 4 MiB message cap (ARCHITECTURE.md, hivemind pitfall A)."""
 KEPT_ROUNDS = 4
 """Blobs of the last rounds stay served, so a slow peer can still fetch them (or catch up from them) after we
 moved on; older ones, and their byte counters, are forgotten."""
