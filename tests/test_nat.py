@@ -99,7 +99,8 @@ def train_two_replicas(
     assert set(first) == set(second) == set(range(rounds))
     for t in range(rounds):
         assert first[t]["fingerprints"] == second[t]["fingerprints"], f"round {t} disagrees"
-        assert first[t]["contributed"] and second[t]["contributed"] and first[t]["contributors"] == 2
+        assert first[t]["contributed"] and second[t]["contributed"], f"round {t}: a replica did not contribute"
+        assert first[t]["contributors"] == second[t]["contributors"] == 2, (first[t], second[t])
         assert first[t]["bytes_received"] > 0 and second[t]["bytes_received"] > 0, "a message was not fetched"
     return first, second
 
@@ -115,7 +116,10 @@ def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribu
     with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:
         peers = swarm.start_bootstrap(run_args(3, inner_steps=1000, preset="small", round_s="8"))
         first, second = train_two_replicas(swarm, peers, tmp_path, rounds=3)
-    assert all(first[t]["bytes_received"] == second[t]["bytes_received"] > 2 * RELAY_CIRCUIT_BYTES for t in range(3))
+    for t in range(3):  # each got the other's whole message, past two circuit resets
+        assert first[t]["bytes_received"] > 2 * RELAY_CIRCUIT_BYTES < second[t]["bytes_received"], (first[t], second[t])
+        if not (first[t]["caught_up"] or second[t]["caught_up"]):  # a member that missed its group's end rebuilt
+            assert first[t]["bytes_received"] == second[t]["bytes_received"], (first[t], second[t])  # from messages
 
 
 @needs_nat_lab

@@ -34,6 +34,8 @@ class RoundRecord:
     fingerprints: dict[str, str]
     group_size: int = 0
     contributors: int = 0
+    """Messages in the round's aggregate (the fewest over its shards); for a shard rebuilt from messages, as many
+    as the round's manifest lists."""
     dropped: list[str] = field(default_factory=list)
     resynced: bool = False
     """This replica trained, but its contribution is not in the round's aggregate (it missed the group)."""
