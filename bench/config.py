@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError, positive_int_list, require_positive
 
 METHODS = ("ddp", "diloco", "sparseloco", "hetero", "compress-all")
@@ -351,6 +352,9 @@ class SimConfig:
     warmup_steps: int = field(default=20, metadata={"help": "Inner LR warm-up steps."})
     eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (after every round)."})
     seeds: int = field(default=3, metadata={"help": "Runs per cell (seeds 0..N-1 of weights and data order)."})
+    device: str = field(
+        default="cpu", metadata={"help": "Where replicas train: cpu, cuda, cuda:N or auto (bf16 autocast on CUDA)."}
+    )
     out: Path = field(default=Path("bench/results/sim"), metadata={"help": "Results directory."})
     report_only: bool = field(
         default=False, metadata={"help": "Rebuild report.md and the plots from --out's report.json; run nothing."}
@@ -365,6 +369,7 @@ class SimConfig:
             raise ConfigError(f"--methods {self.methods!r}: choose from {', '.join(SIM_METHODS)}")
         if min(self.replica_counts) < 2:
             raise ConfigError(f"--replicas {self.replicas!r}: at least 2 (one full and one virtual in hetero)")
+        resolve_device(self.device)  # a wrong --device fails here, not after the corpus is loaded
         for flag, values in (("--rank-divisors", self.rank_list), ("--inner-steps", self.h_list),
                              ("--topk", self.topk_list), ("--max-contributors", self.contributor_list)):  # fmt: skip
             if not values:

@@ -25,7 +25,7 @@ import torch
 from rich.progress import Progress
 
 from hetero_node.bench.config import SUBSPACE_METHODS, SimConfig
-from hetero_node.bench.sim_replicas import DEVICE, SimFullReplica, SimReplica, SimVirtualReplica, global_model
+from hetero_node.bench.sim_replicas import CPU, SimFullReplica, SimReplica, SimVirtualReplica, global_model
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.replica import STEP_STRIDE
 from hetero_node.models.config import get_preset
@@ -34,7 +34,7 @@ from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
 from hetero_node.models.subspace import drift_transfer_, embedding_change, subspace_basis
 from hetero_node.models.tokenizer import load_tokenizer
-from hetero_node.models.trainer import InnerTrainer
+from hetero_node.models.trainer import InnerTrainer, resolve_device
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.flat_exchange import contributor_limit, selected_contributors, selection_seed
 from hetero_node.protocol.outer_methods import outer_method
@@ -149,9 +149,10 @@ class RoundPoint:
 
 
 class OuterSwarm:
-    """θ(t) and T_fixed as every member holds them, and the judge's outer methods that advance them."""
+    """θ(t) and T_fixed as every member holds them (on the CPU, as the outer methods expect), the judge's outer
+    methods that advance them, and an evaluator on `device` (a copy of θ(t) there when that is not the CPU)."""
 
-    def __init__(self, run: RunConfig) -> None:
+    def __init__(self, run: RunConfig, device: torch.device = CPU) -> None:
         self.run = run
         self.model = global_model(run)
         cfg = self.model.cfg
@@ -160,7 +161,8 @@ class OuterSwarm:
         self.judges = [outer_method(run, [tuple(params[n].shape) for n in names]) for names in self.shard_names]
         self.basis = subspace_basis(cfg.d_model, run.pipeline.rank(cfg.d_model), run.seed) if run.uses_subspace \
             else None  # fmt: skip
-        self.evaluator = InnerTrainer(self.model, run.optim, run.total_inner_steps, DEVICE)
+        self.eval_model = self.model if device == CPU else global_model(run).to(device)
+        self.evaluator = InnerTrainer(self.eval_model, run.optim, run.total_inner_steps, device)
         self.change_bytes = 0
         """Bytes of the last outer step's change to E_S (what later stages download to keep T_fixed)."""
 
@@ -170,6 +172,12 @@ class OuterSwarm:
     @property
     def fixed(self) -> torch.Tensor | None:
         return self.model.embed_fixed
+
+    def evaluate(self, held_out: list) -> float:
+        """θ(t)'s held-out loss (copied to the evaluation device first)."""
+        if self.eval_model is not self.model:
+            self.eval_model.load_state_dict(self.model.state_dict())
+        return self.evaluator.evaluate(held_out)
 
     @torch.no_grad()
     def step(self, replicas: list[SimReplica], names: list[str], round_: int) -> list[int]:
@@ -214,14 +222,15 @@ class OuterSwarm:
 
 def simulate(
     run: RunConfig, layout: list[str], store: TokenStore, held_out: list, on_round: Callable[[RoundPoint], None],
-    names: list[str] | None = None,
+    names: list[str] | None = None, device: torch.device = CPU,
 ) -> list[RoundPoint]:  # fmt: skip
     """`run.outer.rounds` rounds of full ("full") and virtual ("virtual") replicas; replica i trains data shard i.
 
     `names` order the members as peer ids do in a swarm (the aggregate is summed in sorted-name order).
     """
-    swarm = OuterSwarm(run)
-    replicas = [(SimFullReplica if kind == FULL else SimVirtualReplica)(run, store, i) for i, kind in enumerate(layout)]
+    swarm = OuterSwarm(run, device)
+    replicas = [(SimFullReplica if kind == FULL else SimVirtualReplica)(run, store, i, device)
+                for i, kind in enumerate(layout)]  # fmt: skip
     names = names or [f"replica-{i:04d}" for i in range(len(replicas))]
     H, R = run.outer.inner_steps, len(replicas)
     tokens_per_round = H * run.batch_size * run.seq_len
@@ -236,7 +245,7 @@ def simulate(
         boundary = sum(r.boundary_bytes for r in replicas) / R
         table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R
         sent += outer + boundary + table
-        point = RoundPoint(t, (t + 1) * R * tokens_per_round, sent, swarm.evaluator.evaluate(held_out),
+        point = RoundPoint(t, (t + 1) * R * tokens_per_round, sent, swarm.evaluate(held_out),
                            swarm.fingerprints(), {"outer": outer, "boundary": boundary, "table": table})  # fmt: skip
         points.append(point)
         on_round(point)
@@ -244,12 +253,13 @@ def simulate(
 
 
 def simulate_ddp(
-    run: RunConfig, replicas: int, store: TokenStore, held_out: list, on_round: Callable[[RoundPoint], None]
-) -> list[RoundPoint]:
+    run: RunConfig, replicas: int, store: TokenStore, held_out: list, on_round: Callable[[RoundPoint], None],
+    device: torch.device = CPU,
+) -> list[RoundPoint]:  # fmt: skip
     """Gradient averaging every step: one step on all replicas' batches at once (their mean gradient, as a
     DDP all-reduce gives), evaluated every H steps so its curve lines up with the outer methods' rounds."""
-    model = Transformer(get_preset(run.preset, vocab_size=run.vocab_size), seed=run.seed)
-    trainer = InnerTrainer(model, run.optim, run.total_inner_steps, DEVICE)
+    model = Transformer(get_preset(run.preset, vocab_size=run.vocab_size), seed=run.seed).to(device)
+    trainer = InnerTrainer(model, run.optim, run.total_inner_steps, device)
     shards = [ShardBatches(store, i % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed)
               for i in range(replicas)]  # fmt: skip
     H = run.outer.inner_steps
@@ -271,13 +281,13 @@ def simulate_ddp(
 def run_cell(cfg: SimConfig, cell: Cell, seed: int, store: TokenStore, vocab_size: int, held_out: list,
              on_round: Callable[[RoundPoint], None]) -> dict[str, Any]:  # fmt: skip
     """One seed of one cell: its settings and its round curve."""
-    run = cell_run_config(cfg, cell, seed, vocab_size, store)
+    run, device = cell_run_config(cfg, cell, seed, vocab_size, store), resolve_device(cfg.device)
     if cell.method == "ddp":
-        points = simulate_ddp(run, cell.replicas, store, held_out, on_round)
+        points = simulate_ddp(run, cell.replicas, store, held_out, on_round, device)
     else:
-        points = simulate(run, cell.layout, store, held_out, on_round)
-    start_loss = Transformer(get_preset(run.preset, vocab_size=vocab_size), seed=seed)
-    initial = InnerTrainer(start_loss, run.optim, 1, DEVICE).evaluate(held_out)
+        points = simulate(run, cell.layout, store, held_out, on_round, device=device)
+    start_loss = Transformer(get_preset(run.preset, vocab_size=vocab_size), seed=seed).to(device)
+    initial = InnerTrainer(start_loss, run.optim, 1, device).evaluate(held_out)
     return {**dataclasses.asdict(cell), "cell": cell.name, "seed": seed, "initial_eval_loss": initial,
             "rounds": [dataclasses.asdict(p) for p in points]}  # fmt: skip
 

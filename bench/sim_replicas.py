@@ -8,7 +8,8 @@ way; each stage clips its own shard and re-projects after its optimizer step, ex
 transport is missing, which the lab does not measure.
 
 Both hold one `OuterMethod` per parameter shard (SparseLoCo's error feedback is per replica), and both start every
-round from the swarm's θ(t) and T_fixed (`load`).
+round from the swarm's θ(t) and T_fixed (`load`). Their modules may live on a GPU (`hetero-node sim --device`); the
+outer methods' error feedback and messages stay on the CPU, as on a node.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hetero_node.protocol import boundary_codec as codec
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import RunConfig
 
-DEVICE = torch.device("cpu")
+CPU = torch.device("cpu")
 
 
 def global_model(run: RunConfig) -> Transformer:
@@ -46,8 +47,8 @@ def global_model(run: RunConfig) -> Transformer:
 class SimReplica(ABC):
     """One replica of the lab: trains a round from θ(t), then says what changed, per parameter shard."""
 
-    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int) -> None:
-        self.run = run
+    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int, device: torch.device = CPU) -> None:
+        self.run, self.device = run, device
         self.batches = ShardBatches(store, data_shard % run.data_shards, run.data_shards, run.batch_size,
                                     run.seq_len, run.seed)  # fmt: skip
         cfg = get_preset(run.preset, vocab_size=run.vocab_size)
@@ -90,10 +91,10 @@ class SimReplica(ABC):
 class SimFullReplica(SimReplica):
     """The whole model on one replica (see the module docstring)."""
 
-    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int) -> None:
-        super().__init__(run, store, data_shard)
-        self.model = global_model(run)
-        self.trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, DEVICE)
+    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int, device: torch.device = CPU) -> None:
+        super().__init__(run, store, data_shard, device)
+        self.model = global_model(run).to(device)
+        self.trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, device)
         self._make_methods()
 
     def modules(self) -> list[nn.Module]:
@@ -109,9 +110,9 @@ class SimFullReplica(SimReplica):
 class SimVirtualReplica(SimReplica):
     """The run's S stages composed in one process, boundary messages encoded and decoded (module docstring)."""
 
-    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int) -> None:
-        super().__init__(run, store, data_shard)
-        self.stages = [PipelineStage(run, s, DEVICE) for s in range(run.outer.stages)]
+    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int, device: torch.device = CPU) -> None:
+        super().__init__(run, store, data_shard, device)
+        self.stages = [PipelineStage(run, s, device) for s in range(run.outer.stages)]
         self.sizes = microbatch_sizes(run.batch_size, run.pipeline.microbatches)
         self._make_methods()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetero_node.bench.config import SIM_METHODS
 from hetero_node.bench.sim import messages_moved
 
 WITHIN = 0.03
@@ -63,13 +64,20 @@ def _columns(rows: list[list[float]]) -> list[float]:
     return [statistics.fmean(col) for col in zip(*rows, strict=True)]
 
 
+def _grid_position(run: dict[str, Any]) -> tuple:
+    known = run["method"] in SIM_METHODS
+    return (SIM_METHODS.index(run["method"]) if known else len(SIM_METHODS), run["method"], run["replicas"],
+            run["inner_steps"], run["topk"] or 0, run["rank_divisor"] or 0, run.get("contributors", 0))  # fmt: skip
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
-    """Group runs by cell (first-seen order) and average over seeds."""
+    """Group runs by cell and average over seeds; cells in the grid's order (method, then the swept values), whatever
+    order the runs came in (a sweep split across processes is merged by concatenating their runs)."""
     by_cell: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for run in runs:
         by_cell[run["cell"]].append(run)
     out = {}
-    for name, group in by_cell.items():
+    for name, group in sorted(by_cell.items(), key=lambda item: _grid_position(item[1][0])):
         first = group[0]
         rounds = [r["rounds"] for r in group]
         kinds = first["rounds"][0]["traffic"].keys()

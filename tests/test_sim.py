@@ -139,3 +139,19 @@ def test_the_findings_compare_like_with_like() -> None:
     assert [r.split(" | ")[0] for r in selective[2:]] == ["| d/8", "| d/64"]
     assert "+4.8%" in selective[2] and "+25.0%" in selective[3]
     assert finding_outer(cells) == []  # no DiLoCo run: no table rather than a wrong one
+
+
+def test_cells_come_in_the_grids_order_whatever_order_their_runs_were_merged_in() -> None:
+    """A sweep split across processes (one per cell, e.g. on a GPU) is merged by concatenating runs in any order."""
+    runs = [_run("compress-all", 0, [5.5], rank=64), _run("hetero", 0, [4.4], rank=64),
+            _run("hetero", 0, [4.2], rank=8), _run("compress-all", 0, [4.4], rank=8), _run("none", 0, [4.0]),
+            _run("ddp", 0, [3.0])]  # fmt: skip
+    assert list(summarize(runs)) == [
+        "ddp R4 H10",
+        "hetero R4 H10 k64 d/8",
+        "hetero R4 H10 k64 d/64",
+        "compress-all R4 H10 k64 d/8",
+        "compress-all R4 H10 k64 d/64",
+        "none R4 H10 k64",
+    ]
+    assert [r.split(" | ")[0] for r in finding_selective(summarize(runs))[2:]] == ["| d/8", "| d/64"]
