@@ -355,6 +355,9 @@ class SimConfig:
     device: str = field(
         default="cpu", metadata={"help": "Where replicas train: cpu, cuda, cuda:N or auto (bf16 autocast on CUDA)."}
     )
+    jobs: int = field(
+        default=1, metadata={"help": "Runs at a time, each in its own process (e.g. one per core on a GPU machine)."}
+    )
     out: Path = field(default=Path("bench/results/sim"), metadata={"help": "Results directory."})
     report_only: bool = field(
         default=False, metadata={"help": "Rebuild report.md and the plots from --out's report.json; run nothing."}
@@ -362,7 +365,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "stages", "microbatches", "batch_size", "seq_len", "lr", "eval_batches",
-                         "seeds")  # fmt: skip
+                         "seeds", "jobs")  # fmt: skip
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
         if not set(self.method_list) <= set(SIM_METHODS) or not self.method_list:

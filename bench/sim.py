@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -292,30 +293,81 @@ def run_cell(cfg: SimConfig, cell: Cell, seed: int, store: TokenStore, vocab_siz
             "rounds": [dataclasses.asdict(p) for p in points]}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LabData:
+    """What every run of a sweep reads: the bundled corpus's tokens and the fixed held-out batches."""
+
+    store: TokenStore
+    vocab_size: int
+    held_out: list
+
+    @classmethod
+    def load(cls, cfg: SimConfig) -> LabData:
+        tokenizer = load_tokenizer(None)
+        store = build_token_store(None, tokenizer, default_cache_dir())
+        return cls(store, tokenizer.vocab_size, val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches))
+
+
+_worker_data: LabData | None = None
+
+
+def _run_in_worker(cfg: SimConfig, cell: Cell, seed: int) -> dict[str, Any]:
+    """One run in a `--jobs` worker process (the corpus loaded once per worker)."""
+    global _worker_data
+    if _worker_data is None:  # each worker gets its share of the cores: oversubscribed OpenMP threads spin (30× slower)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.jobs))
+        _worker_data = LabData.load(cfg)
+    data = _worker_data
+    return run_cell(cfg, cell, seed, data.store, data.vocab_size, data.held_out, lambda _point: None)
+
+
 def run_sim(cfg: SimConfig, progress: Progress) -> dict[str, Any]:
-    """Every cell for every seed, a progress bar per run; writes report.json, report.md and the plots."""
+    """Every cell for every seed (a progress bar per run, or per sweep with `--jobs`); writes report.json after
+    each run (an interrupted sweep keeps what finished), then report.md and the plots."""
     from hetero_node.bench.sim_report import write_report
 
     if cfg.report_only:
         return write_report(json.loads((cfg.out / "report.json").read_text()), cfg.out)
-    tokenizer = load_tokenizer(None)
-    store = build_token_store(None, tokenizer, default_cache_dir())
-    held_out = val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-    cells = grid(cfg)
-    overall = progress.add_task("sim runs", total=len(cells) * cfg.seeds)
+    runs = [(cell, seed) for cell in grid(cfg) for seed in range(cfg.seeds)]
+    overall = progress.add_task("sim runs", total=len(runs))
     report: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()}, "runs": []}
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for cell in cells:  # cell by cell, so an interrupted sweep leaves whole cells in report.json
-        for seed in range(cfg.seeds):
-            name = f"{cell.name} seed {seed}"
-            task = progress.add_task(name, total=cfg.rounds)
 
-            def advance(point: RoundPoint, task: Any = task, name: str = name) -> None:
-                progress.update(task, advance=1, description=f"{name}: eval {point.eval_loss:.3f}")
+    def finished(run: dict[str, Any]) -> None:
+        report["runs"].append(run)
+        progress.advance(overall)
+        (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
+        logger.info("%s seed %d: final eval loss %.4f", run["cell"], run["seed"], run["rounds"][-1]["eval_loss"])
 
-            report["runs"].append(run_cell(cfg, cell, seed, store, tokenizer.vocab_size, held_out, advance))
-            progress.update(task, visible=False)
-            progress.advance(overall)
-            (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
-            logger.info("%s: final eval loss %.4f", name, report["runs"][-1]["rounds"][-1]["eval_loss"])
+    if cfg.jobs > 1:
+        _run_in_processes(cfg, runs, finished)
+    else:
+        _run_in_turn(cfg, runs, progress, finished)
     return write_report(report, cfg.out)
+
+
+def _run_in_turn(cfg: SimConfig, runs: list[tuple[Cell, int]], progress: Progress,
+                 finished: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
+    data = LabData.load(cfg)
+    for cell, seed in runs:  # cell by cell, so an interrupted sweep leaves whole cells in report.json
+        name = f"{cell.name} seed {seed}"
+        task = progress.add_task(name, total=cfg.rounds)
+
+        def advance(point: RoundPoint, task: Any = task, name: str = name) -> None:
+            progress.update(task, advance=1, description=f"{name}: eval {point.eval_loss:.3f}")
+
+        finished(run_cell(cfg, cell, seed, data.store, data.vocab_size, data.held_out, advance))
+        progress.update(task, visible=False)
+
+
+def _run_in_processes(cfg: SimConfig, runs: list[tuple[Cell, int]], finished: Callable[[dict[str, Any]], None]) -> None:
+    """`--jobs` worker processes, one run each at a time: each run is the same computation as in turn (its own
+    models, data order and seed), so the report is the same; what a GPU machine's many cores are for."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    with ProcessPoolExecutor(max_workers=cfg.jobs, mp_context=context) as pool:
+        futures = [pool.submit(_run_in_worker, cfg, cell, seed) for cell, seed in runs]
+        for future in as_completed(futures):
+            finished(future.result())

@@ -78,6 +78,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
         by_cell[run["cell"]].append(run)
     out = {}
     for name, group in sorted(by_cell.items(), key=lambda item: _grid_position(item[1][0])):
+        group = sorted(group, key=lambda run: run["seed"])  # seed by seed, so that gaps pair like with like
         first = group[0]
         rounds = [r["rounds"] for r in group]
         kinds = first["rounds"][0]["traffic"].keys()

@@ -4,14 +4,16 @@ the report's arithmetic (mean ± std, when a curve reaches another, the findings
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+from rich.progress import Progress
 from swarm_helpers import rounds_of, start_replicas, wait_for_round
 
 from hetero_node.bench.config import SimConfig
 from hetero_node.bench.local_swarm import LocalSwarm
-from hetero_node.bench.sim import FULL, Cell, cell_run_config, grid, run_cell, simulate
+from hetero_node.bench.sim import FULL, Cell, cell_run_config, grid, run_cell, run_sim, simulate
 from hetero_node.bench.sim_replicas import SimFullReplica
 from hetero_node.bench.sim_report import (
     finding_composes,
@@ -69,6 +71,20 @@ def test_the_same_seed_gives_the_same_runs(store, method: str) -> None:
     assert first == again
     assert first["rounds"][-1]["eval_loss"] < first["initial_eval_loss"], "two rounds of training did not help"
     assert other_seed["rounds"][-1]["fingerprints"] != first["rounds"][-1]["fingerprints"]
+
+
+@pytest.mark.timeout(300)
+def test_runs_in_worker_processes_give_the_same_report_as_runs_in_turn(bundled_cache_dir: Path, tmp_path: Path) -> None:
+    """`--jobs` only changes where runs execute: every run's curve and fingerprints are those of the sweep in turn."""
+    reports = {}
+    for jobs in (1, 2):
+        cfg = _quick(methods="sparseloco,hetero", rank_divisors="8", seeds=2, jobs=jobs, out=tmp_path / f"jobs{jobs}")
+        with Progress(disable=True) as progress:
+            run_sim(cfg, progress)
+        runs = json.loads((cfg.out / "report.json").read_text())["runs"]
+        reports[jobs] = {(r["cell"], r["seed"]): r["rounds"] for r in runs}
+    assert len(reports[1]) == 4 and reports[2] == reports[1]
+    assert (tmp_path / "jobs2" / "report.md").read_text() == (tmp_path / "jobs1" / "report.md").read_text()
 
 
 def test_traffic_is_the_encoded_messages_and_boundaries(store) -> None:
