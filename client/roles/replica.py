@@ -588,7 +588,8 @@ class Replica(ABC):
             for shard, got in rebuilt.items():
                 new[shard] = got.tensors
                 pending = flight.pendings.get(shard)
-                outcomes[shard].contributors = len(got.digests)  # what the round aggregated, as its manifest says
+                if shard in outcomes:  # a shard we trained this round (a stage peer may rebuild one it did not)
+                    outcomes[shard].contributors = len(got.digests)  # what the round aggregated, by its manifest
                 if pending is not None and got.digests.get(self.me) == pending.meta.digest != "":
                     outcomes[shard].contributed = True  # the group used our message though we missed its end
             if how in ("state", "failed"):  # a whole state replaced ours, or we stay in round t for catch-up
