@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint bench bench-long bench-plan bench-exchange bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
+.PHONY: venv data demo test test-long docker-test lint bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -51,6 +51,11 @@ bench: venv data
 bench-long: venv data
 	$(BIN)/hetero-node bench --topology hetero-tiny --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
 		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long
+
+# The same on links with 20-140 ms round trips (bench/topologies/hetero-tiny-wan.toml; delays need iptables).
+bench-long-wan: venv data
+	$(BIN)/hetero-node bench --topology hetero-tiny-wan --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
+		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long-wan
 
 # The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 30 s).
 bench-plan: venv

@@ -115,8 +115,10 @@ def run_method(
         }
         bootstrap = None
         if method != "ddp":
-            bootstrap = lab.add_node("bootstrap", topology.bootstrap_up_mbit, topology.bootstrap_down_mbit)
-        lab_nodes = [lab.add_node(spec.name, spec.up_mbit, spec.down_mbit) for spec in topology.nodes]
+            bootstrap = lab.add_node("bootstrap", topology.bootstrap_up_mbit, topology.bootstrap_down_mbit,
+                                     topology.bootstrap_latency_ms)  # fmt: skip
+        lab_nodes = [lab.add_node(spec.name, spec.up_mbit, spec.down_mbit, spec.latency_ms) for spec in topology.nodes]
+        lab.start_delays()
         everyone = [*([bootstrap] if bootstrap else []), *lab_nodes]
         baseline = {n.name: lab.counters(n) for n in everyone}
         started = time.monotonic()

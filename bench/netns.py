@@ -8,6 +8,9 @@ so interface names only have to be unique within one lab and stay far below IFNA
 carry the lab's tag (`hnlab<pid>-<random>`), so two labs, or one left behind by a killed process, never
 collide, and `cleanup_stale` can tell an abandoned lab (its pid is gone) from a running one.
 
+Latency (a node's `latency_ms`) comes from a delaying proxy in each node's namespace (`delay_proxy`), since this
+kernel has no `netem`; it needs iptables, like the NAT'd nodes.
+
 Measured here (kernel 6.18, iproute2 6.1, 2 cores; one Python TCP connection between two nodes, timed at the
 receiver after its first MB): both ends at 50 Mbit/s, 6 MB -> 47.8 Mbit/s of payload; at 1000 Mbit/s, 100 MB
 -> 956 Mbit/s. Both are the tbf rate times 1448/1514, the payload share of a full Ethernet frame, because tbf
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import re
@@ -25,6 +29,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -32,6 +37,8 @@ from types import FrameType
 from typing import Any
 
 import psutil
+
+from hetero_node.bench.delay_proxy import redirect_rules
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,9 @@ TERM_GRACE_S = 3.0
 TBF_LATENCY_MS = 50
 MIN_BURST_BYTES = 32 * 1024
 BURST_SECONDS = 0.004  # rate x 4 ms: one timer tick at HZ=250, so a late dequeue does not lose tokens
+
+DELAY_PROXY_PORT = 10999
+"""Where a node's delaying proxy listens on its namespace's loopback (below the ephemeral port range)."""
 
 
 def _sh(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -117,6 +127,9 @@ class LabNode:
     veth: str  # the node's interface, inside its namespace
     up_mbit: float
     down_mbit: float
+    latency_ms: float = 0.0
+    """One-way latency of its access link: a connection to another node is delayed by the sum of theirs, each way
+    (`start_delays`)."""
 
 
 class NetLab:
@@ -159,9 +172,9 @@ class NetLab:
         self._namespaces.append(namespace)
         _sh(["ip", "-n", namespace, "link", "set", "lo", "up"])
 
-    def add_node(self, name: str, up_mbit: float, down_mbit: float | None = None) -> LabNode:
+    def add_node(self, name: str, up_mbit: float, down_mbit: float | None = None, latency_ms: float = 0.0) -> LabNode:
         """A new namespace on the bridge, its upload shaped to `up_mbit` and download to `down_mbit` (default:
-        the same)."""
+        the same); `latency_ms` takes effect once `start_delays` runs."""
         down_mbit = up_mbit if down_mbit is None else down_mbit
         if not NAME.match(name) or name == "hub":
             raise ValueError(f"node name {name!r} must match {NAME.pattern} and not be 'hub'")
@@ -169,10 +182,12 @@ class NetLab:
             raise ValueError(f"lab {self.tag} already has a node {name!r}")
         if up_mbit <= 0 or down_mbit <= 0:
             raise ValueError(f"rates must be positive, got up={up_mbit} down={down_mbit}")
+        if latency_ms < 0:
+            raise ValueError(f"latency must not be negative, got {latency_ms} ms")
         index = len(self.nodes)
         if index >= 253:
             raise ValueError("a lab holds at most 253 nodes (one /24)")
-        node = LabNode(name, f"{self.tag}-{name}", f"{SUBNET}.{index + 1}", NODE_IF, up_mbit, down_mbit)
+        node = LabNode(name, f"{self.tag}-{name}", f"{SUBNET}.{index + 1}", NODE_IF, up_mbit, down_mbit, latency_ms)
         hub_if = f"n{index}"
         self._add_namespace(node.namespace)
         _sh(["ip", "-n", self.hub, "link", "add", hub_if, "type", "veth", "peer", "name", NODE_IF,
@@ -208,6 +223,27 @@ class NetLab:
         self.nodes[name] = node
         log.info("lab %s: node %s at %s behind NAT router %s", self.tag, name, node.address, router.address)
         return node
+
+    def start_delays(self) -> None:
+        """Give every connection between lab nodes its latency: a delaying proxy in each node's namespace takes
+        the TCP connections the node opens (`delay_proxy`). Call it after adding the nodes and before starting
+        their processes; it does nothing when no node has a latency. Nodes behind NAT add none of their own."""
+        if not any(n.latency_ms > 0 for n in self.nodes.values()):
+            return
+        reason = nat_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"lab {self.tag}: latency needs iptables for its delaying proxies: {reason}")
+        for node in self.nodes.values():
+            delays = {o.address: node.latency_ms + o.latency_ms for o in self.nodes.values() if o is not node}
+            proxy = self.popen(node, [sys.executable, "-m", "hetero_node.bench.delay_proxy", "--port",
+                                      str(DELAY_PROXY_PORT), "--delays", json.dumps(delays),
+                                      "--default-ms", str(node.latency_ms)],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+            if proxy.stdout is None or proxy.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"lab {self.tag}: the delay proxy of {node.name} did not start")
+            for rule in redirect_rules(f"{SUBNET}.0/24", node.address, DELAY_PROXY_PORT):
+                _sh(["ip", "netns", "exec", node.namespace, "iptables", *rule])
+        log.info("lab %s: latencies %s", self.tag, {n.name: n.latency_ms for n in self.nodes.values()})
 
     def popen(self, node: LabNode, argv: list[str], **kwargs: Any) -> subprocess.Popen:
         """Start `argv` inside the node's namespace in a session of its own, so close() can kill it with all

@@ -14,6 +14,8 @@ A topology is a small TOML file (bundled ones live in `bench/topologies/`):
     cpus = [0]                           # optional; pin the node's processes to these cores
     memory_gb = 0.3                      # optional; the memory the node advertises to the planner (--memory-gb)
     cpu_quota = 0.3                      # optional; a CPU cgroup caps the node at this many cores (a slow machine)
+    latency_ms = 40                      # optional; one-way latency of its access link (default 0; the bootstrap
+                                         # takes one too): a round trip between two nodes is 2 × the sum of theirs
 
 Unknown keys are errors, not ignored typos: a misspelt `down_mibt` would silently give a node the wrong link.
 """
@@ -54,6 +56,8 @@ class NodeSpec:
     """What the node tells the planner it has (`--memory-gb`); None: what the machine has."""
     cpu_quota: float | None = None
     """Cores the node's processes may use together (a CPU cgroup); None: no cap."""
+    latency_ms: float = 0.0
+    """One-way latency of its access link (`NetLab.start_delays`)."""
 
     @property
     def link_mbit(self) -> float:
@@ -67,6 +71,7 @@ class Topology:
     nodes: tuple[NodeSpec, ...]
     bootstrap_up_mbit: float = DEFAULT_BOOTSTRAP_MBIT
     bootstrap_down_mbit: float = DEFAULT_BOOTSTRAP_MBIT
+    bootstrap_latency_ms: float = 0.0
 
     @property
     def edge_nodes(self) -> tuple[str, ...]:
@@ -113,9 +118,10 @@ def parse_topology(text: str, default_name: str, source: str) -> Topology:
     bootstrap = data.get("bootstrap", {})
     if not isinstance(bootstrap, dict):
         raise TopologyError(f"topology {source}: [bootstrap] must be a table")
-    _only_keys(bootstrap, {"up_mbit", "down_mbit"}, source, "[bootstrap]")
+    _only_keys(bootstrap, {"up_mbit", "down_mbit", "latency_ms"}, source, "[bootstrap]")
     boot_up = _rate(bootstrap.get("up_mbit", DEFAULT_BOOTSTRAP_MBIT), source, "[bootstrap] up_mbit")
     boot_down = _rate(bootstrap.get("down_mbit", boot_up), source, "[bootstrap] down_mbit")
+    boot_latency = _latency(bootstrap.get("latency_ms", 0.0), source, "[bootstrap] latency_ms")
     raw_nodes = data.get("node")
     if not isinstance(raw_nodes, list) or len(raw_nodes) < 2:
         raise TopologyError(f"topology {source}: needs at least two [[node]] tables")
@@ -124,14 +130,15 @@ def parse_topology(text: str, default_name: str, source: str) -> Topology:
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise TopologyError(f"topology {source}: node names must be unique, repeated: {', '.join(duplicates)}")
-    return Topology(name, nodes, boot_up, boot_down)
+    return Topology(name, nodes, boot_up, boot_down, boot_latency)
 
 
 def _node(raw: Any, index: int, source: str) -> NodeSpec:
     if not isinstance(raw, dict):
         raise TopologyError(f"topology {source}: [[node]] #{index + 1} must be a table")
     where = f"node {raw['name']!r}" if isinstance(raw.get("name"), str) else f"[[node]] #{index + 1}"
-    _only_keys(raw, {"name", "role", "up_mbit", "down_mbit", "cpus", "memory_gb", "cpu_quota"}, source, where)
+    keys = {"name", "role", "up_mbit", "down_mbit", "cpus", "memory_gb", "cpu_quota", "latency_ms"}
+    _only_keys(raw, keys, source, where)
     for key in ("name", "role", "up_mbit"):
         if key not in raw:
             raise TopologyError(f"topology {source}: {where} lacks `{key}`")
@@ -160,11 +167,18 @@ def _node(raw: Any, index: int, source: str) -> NodeSpec:
     quota = raw.get("cpu_quota")
     if quota is not None:
         quota = _positive(quota, source, f"{where} cpu_quota", "cores")
-    return NodeSpec(name, raw["role"], up, down, cpus, memory, quota)
+    latency = _latency(raw.get("latency_ms", 0.0), source, f"{where} latency_ms")
+    return NodeSpec(name, raw["role"], up, down, cpus, memory, quota, latency)
 
 
 def _rate(value: Any, source: str, where: str) -> float:
     return _positive(value, source, where, "Mbit/s")
+
+
+def _latency(value: Any, source: str, where: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= 10_000:
+        raise TopologyError(f"topology {source}: {where} must be 0 to 10000 ms, got {value!r}")
+    return float(value)
 
 
 def _positive(value: Any, source: str, where: str, unit: str) -> float:

@@ -64,12 +64,14 @@ def test_bundled_topologies_load_with_their_edge_nodes() -> None:
 
 def test_a_topology_file_gives_roles_asymmetric_links_and_cpu_pinning(tmp_path: Path) -> None:
     path = tmp_path / "lab.toml"
-    path.write_text(TWO_NODES.format(a=100, b=10) + "down_mbit = 5\ncpus = [0]\n[bootstrap]\nup_mbit = 200\n")
+    path.write_text(TWO_NODES.format(a=100, b=10) + "down_mbit = 5\ncpus = [0]\nlatency_ms = 40\n"
+                    "[bootstrap]\nup_mbit = 200\nlatency_ms = 2.5\n")  # fmt: skip
     topology = load_topology(path)
     assert topology.name == "lab"
-    b = topology.nodes[1]
-    assert (b.up_mbit, b.down_mbit, b.link_mbit, b.cpus) == (10, 5, 5, (0,))
-    assert (topology.bootstrap_up_mbit, topology.bootstrap_down_mbit) == (200, 200)
+    a, b = topology.nodes
+    assert (b.up_mbit, b.down_mbit, b.link_mbit, b.cpus, b.latency_ms) == (10, 5, 5, (0,), 40)
+    assert a.latency_ms == 0
+    assert (topology.bootstrap_up_mbit, topology.bootstrap_down_mbit, topology.bootstrap_latency_ms) == (200, 200, 2.5)
     assert topology.edge_nodes == ("b",)
 
 
@@ -91,6 +93,8 @@ def test_a_topology_file_gives_roles_asymmetric_links_and_cpu_pinning(tmp_path: 
         (TWO_NODES.format(a=1, b=1) + "cpu_quota = -0.5\n", "cpu_quota must be a positive number of cores"),
         (TWO_NODES.format(a=1, b=1).split("\n\n")[0], "at least two [[node]] tables"),
         ("[bootstrap]\nup_mbit = -1\n" + TWO_NODES.format(a=1, b=1), "[bootstrap] up_mbit must be a positive"),
+        (TWO_NODES.format(a=1, b=1) + "latency_ms = -3\n", "node 'b' latency_ms must be 0 to 10000 ms"),
+        ("[bootstrap]\nlatency_ms = true\n" + TWO_NODES.format(a=1, b=1), "[bootstrap] latency_ms must be 0 to"),
     ],
 )
 def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> None:
@@ -100,7 +104,7 @@ def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> Non
 
 
 def test_a_missing_topology_names_the_bundled_ones() -> None:
-    bundled = "edge-only, hetero, hetero-tiny, mixed-speed, uniform"
+    bundled = "edge-only, hetero, hetero-tiny, hetero-tiny-wan, mixed-speed, uniform"
     with pytest.raises(TopologyError, match=rf"no such file, nor a bundled topology .*{bundled}"):
         load_topology(Path("nowhere.toml"))
 
