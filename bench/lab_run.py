@@ -253,6 +253,7 @@ def _run_record(
                 "up_mbit": p.spec.up_mbit,
                 "down_mbit": p.spec.down_mbit,
                 "cpu_quota": p.spec.cpu_quota,
+                "latency_ms": p.spec.latency_ms,
                 "address": p.lab_node.address,
                 "exit_code": exit_codes[p.name],
                 "wire_bytes_sent": wire[p.name][0],

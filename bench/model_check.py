@@ -2,11 +2,11 @@
 
 Inputs the model gets, per node: its link rates (the topology's), its training speed (measured in the run:
 tokens over compute seconds, a stage's scaled to the full model by its share of the FLOPs), and the assignment the
-run actually had (roles, virtual replicas and stages from the nodes' metrics headers). Nothing is fitted to the
-run: matchmaking time, protocol overhead and latency are the model's defaults (the overhead's default came from
-the sparseloco run of `make bench-long`, so that row checks nothing about bytes). What is compared: the round
-period (time between a node's successive rounds, median over nodes) and the bytes each node sent per round
-(interface counters).
+run actually had (roles, virtual replicas and stages from the nodes' metrics headers), and the topology's worst
+round trip as the latency of every link. Nothing is fitted to the run: matchmaking time and protocol overhead are
+the model's defaults (the overhead's default came from the sparseloco run of `make bench-long`, so that row checks
+nothing about bytes). What is compared: the round period (time between a node's successive rounds, median over
+nodes) and the bytes each node sent per round (interface counters).
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ def _run_config(run: dict[str, Any]) -> RunConfig | None:
     return None
 
 
+def worst_rtt_ms(nodes: list[dict[str, Any]]) -> float:
+    """The longest round trip between two of the run's nodes (twice their summed access latencies): the model takes
+    one round trip for every link, and the slowest pair is the one a pipeline boundary or a relay hop waits on."""
+    latencies = sorted((n.get("latency_ms", 0.0) for n in nodes), reverse=True)
+    return 2 * sum(latencies[:2])
+
+
 def check_run(run: dict[str, Any]) -> dict[str, Any] | None:
     """Predicted vs measured round period and bytes per node per round; None for ddp, failed runs, runs whose
     config is lost, or with an incomplete virtual replica."""
@@ -67,12 +74,13 @@ def check_run(run: dict[str, Any]) -> dict[str, Any] | None:
         speed = share * sum(r["tokens"] for r in rounds) / max(sum(r["compute_s"] for r in rounds), 1e-9)
         memory = 10**12  # the run's own assignment is checked, not the memory the node advertised
         peers[n["name"]] = PeerInfo(n["name"], memory, n["up_mbit"], n["down_mbit"], speed)
-    prediction = predict_round(peers, assignment, shape, LinkModel())
+    prediction = predict_round(peers, assignment, shape, LinkModel(rtt_ms=worst_rtt_ms(run["nodes"])))
     periods = [p for p in (_period(n["rounds"]) for n in run["nodes"]) if p is not None]
     measured_period = statistics.median(periods) if periods else None
     sent = {n["name"]: n["wire_bytes_sent"] / len(n["rounds"]) for n in run["nodes"]}
     predicted_sent = {name: node.bytes_up for name, node in prediction.nodes.items()}
     return {
+        "rtt_ms": worst_rtt_ms(run["nodes"]),
         "predicted_round_s": prediction.round_s,
         "measured_round_s": measured_period,
         "round_error": prediction.round_s / measured_period - 1 if measured_period else None,

@@ -340,9 +340,11 @@ def _cost_model_table(checks: dict[str, dict[str, Any]]) -> list[str]:
             f"| {method} | {c['predicted_round_s']:.2f} | {_fmt(c['measured_round_s'], '.2f')} | "
             f"{_fmt(c['round_error'], '+.0%')} | {per_node} |"
         )
-    note = ("Inputs: each node's link and measured training speed, the run's own assignment; the model's defaults "
-            "(matchmaking 1 s, 0.53 MB protocol overhead per node per round, no latency). Bytes: interface "
-            "counters.")  # fmt: skip
+    rtt = max(c.get("rtt_ms", 0.0) for c in checks.values())
+    latency = f"{rtt:g} ms round trips on every link (the worst pair's)" if rtt else "no latency"
+    note = ("Inputs: each node's link and measured training speed, the run's own assignment, "
+            f"{latency}; the model's defaults (matchmaking 1 s, 0.53 MB protocol overhead per node per round). "
+            "Bytes: interface counters.")  # fmt: skip
     return [*lines, "", note, ""]
 
 

@@ -25,7 +25,7 @@ from hetero_node.bench.report import LOSS_VS_BYTES, LOSS_VS_WALL, write_report
 from hetero_node.bench.suite import run_bench
 from hetero_node.bench.topology import Topology, TopologyError, load_topology, parse_topology
 from hetero_node.client.roles.metrics import RoundRecord
-from hetero_node.client.swarm.cost_model import LinkModel, RunShape
+from hetero_node.client.swarm.cost_model import LinkModel, RunShape, exchange_hops
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 
 TWO_NODES = """
@@ -273,6 +273,13 @@ def test_the_report_checks_the_cost_model_against_the_run(tmp_path: Path) -> Non
     assert check["predicted_bytes_sent_per_round"]["dc0"] == sent
     assert check["bytes_error"]["dc0"] == pytest.approx(sent / 2000 - 1)  # 4000 wire bytes over 2 rounds
     assert "## The cost model against this run" in (tmp_path / "report.md").read_text()
+    for node, latency in zip(run["nodes"], (5.0, 35.0), strict=True):
+        node["latency_ms"] = latency  # a round trip between them: 2 × (5 + 35) ms
+    delayed = json.loads(write_report([run], tmp_path).read_text())["cost_model"]["sparseloco"]
+    hops = exchange_hops(2, LinkModel().exchange)
+    assert delayed["rtt_ms"] == 80 and hops >= 1
+    assert delayed["predicted_round_s"] == pytest.approx(check["predicted_round_s"] + hops * 0.080)
+    assert "80 ms round trips on every link" in (tmp_path / "report.md").read_text()
     run["method"] = "ddp"
     assert json.loads(write_report([run], tmp_path).read_text())["cost_model"] == {}  # nothing to predict
 
