@@ -63,7 +63,7 @@ class BenchConfig:
     )
     timeout_s: float = field(default=1800.0, metadata={"help": "Give up on a method's run after this long."})
     stall_timeout_s: float = field(
-        default=300.0, metadata={"help": "Give up on a method's run when no node finishes a round for this long."}
+        default=300.0, metadata={"help": "Give up on a run when no node gets past its furthest round for this long."}
     )
     out: Path | None = field(
         default=None, metadata={"help": "Results directory (default: bench/results/<topology name>)."}

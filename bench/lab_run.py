@@ -192,13 +192,14 @@ def _watch(
     task: TaskID | None,
 ) -> str:
     """Poll until every node exited (ok), one failed, or a deadline passed; stamps new rounds as they appear."""
-    last_progress = started
+    last_progress, furthest = started, {}
     while True:
         now = time.monotonic()
         codes = [n.process.poll() for n in nodes]  # before reading: a node's last round is in its file by exit
         fresh = [(node, record) for node in nodes for record in node.new_rounds()]
-        if fresh:
+        if advanced(fresh, furthest):
             last_progress = now
+        if fresh:
             wire = counters()
             swarm_sent = sum(tx for tx, _ in wire.values())
             for node, record in fresh:
@@ -214,10 +215,22 @@ def _watch(
         if all(code == 0 for code in codes):
             return "ok"
         if now - started > cfg.timeout_s or now - last_progress > cfg.stall_timeout_s:
-            logger.error("run cut short: %.0f s in, %.0f s since a node last finished a round",
+            logger.error("run cut short: %.0f s in, %.0f s since a node last got past its furthest round",
                          now - started, now - last_progress)  # fmt: skip
             return "timed_out"
         time.sleep(POLL_S)
+
+
+def advanced(fresh: list[tuple[_Process, dict[str, Any]]], furthest: dict[str, int]) -> bool:
+    """Whether a node finished a round past the furthest it had finished (updating `furthest`). A node that records
+    the same round again and again (a stage whose pipeline never forms) is not progress: a livelocked run is cut
+    short after `stall_timeout_s` instead of running to `timeout_s`."""
+    moved = False
+    for node, record in fresh:
+        if record.get("round", -1) > furthest.get(node.name, -1):
+            furthest[node.name] = record["round"]
+            moved = True
+    return moved
 
 
 def _log_tail(path: Path) -> list[str]:

@@ -12,6 +12,7 @@ import os
 import subprocess
 from dataclasses import MISSING, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from factories import run_config
 
 from hetero_node.bench.commands import bootstrap_argv, ddp_argv, expected_replicas, join_argv
 from hetero_node.bench.config import METHODS, BenchConfig
-from hetero_node.bench.lab_run import MetricsTail, run_method
+from hetero_node.bench.lab_run import MetricsTail, advanced, run_method
 from hetero_node.bench.netns import LAB_PREFIX, netns_unavailable_reason
 from hetero_node.bench.report import LOSS_VS_BYTES, LOSS_VS_WALL, write_report
 from hetero_node.bench.suite import run_bench
@@ -371,3 +372,14 @@ def test_a_failing_run_is_reported_with_its_log_and_leaves_no_namespace(tmp_path
     assert my_namespaces() == []
     assert run["status"] == "failed" and run["nodes"] == []
     assert any("--seq-len 4096" in line for line in run["errors"]["bootstrap"])
+
+
+def test_only_a_round_past_a_nodes_furthest_counts_as_progress() -> None:
+    """A stage that records round 1 again and again (its pipeline never forms) must not keep a stalled run alive."""
+    a, b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
+    furthest: dict[str, int] = {}
+    assert advanced([(a, {"round": 0}), (b, {"round": 0})], furthest) and furthest == {"a": 0, "b": 0}
+    assert advanced([(a, {"round": 1})], furthest)
+    assert not advanced([(a, {"round": 1}), (a, {"round": 1}), (b, {"round": 0})], furthest)
+    assert not advanced([], furthest)
+    assert advanced([(b, {"round": 3})], furthest) and furthest == {"a": 1, "b": 3}
