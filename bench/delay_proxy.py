@@ -69,15 +69,16 @@ class DelayProxy:
     async def _connection(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         address, port = original_destination(client_writer.get_extra_info("socket"))
         delay = self.delay_s(address)
+        upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, MARK)
+        upstream.setblocking(False)
         try:
             await asyncio.sleep(2 * delay)  # the handshake's round trip
-            upstream = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            upstream.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, MARK)
-            upstream.setblocking(False)
             await asyncio.get_running_loop().sock_connect(upstream, (address, port))
             reader, writer = await asyncio.open_connection(sock=upstream, limit=CHUNK)
         except OSError as e:  # refused or unreachable: the dialer sees its connection close, as it would
             log.debug("%s:%d: %r", address, port, e)
+            upstream.close()
             client_writer.close()
             return
         try:

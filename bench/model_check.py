@@ -74,13 +74,14 @@ def check_run(run: dict[str, Any]) -> dict[str, Any] | None:
         speed = share * sum(r["tokens"] for r in rounds) / max(sum(r["compute_s"] for r in rounds), 1e-9)
         memory = 10**12  # the run's own assignment is checked, not the memory the node advertised
         peers[n["name"]] = PeerInfo(n["name"], memory, n["up_mbit"], n["down_mbit"], speed)
-    prediction = predict_round(peers, assignment, shape, LinkModel(rtt_ms=worst_rtt_ms(run["nodes"])))
+    rtt_ms = worst_rtt_ms(run["nodes"])
+    prediction = predict_round(peers, assignment, shape, LinkModel(rtt_ms=rtt_ms))
     periods = [p for p in (_period(n["rounds"]) for n in run["nodes"]) if p is not None]
     measured_period = statistics.median(periods) if periods else None
     sent = {n["name"]: n["wire_bytes_sent"] / len(n["rounds"]) for n in run["nodes"]}
     predicted_sent = {name: node.bytes_up for name, node in prediction.nodes.items()}
     return {
-        "rtt_ms": worst_rtt_ms(run["nodes"]),
+        "rtt_ms": rtt_ms,
         "predicted_round_s": prediction.round_s,
         "measured_round_s": measured_period,
         "round_error": prediction.round_s / measured_period - 1 if measured_period else None,

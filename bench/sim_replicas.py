@@ -47,8 +47,8 @@ def global_model(run: RunConfig) -> Transformer:
 class SimReplica(ABC):
     """One replica of the lab: trains a round from θ(t), then says what changed, per parameter shard."""
 
-    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int, device: torch.device = CPU) -> None:
-        self.run, self.device = run, device
+    def __init__(self, run: RunConfig, store: TokenStore, data_shard: int) -> None:
+        self.run = run
         self.batches = ShardBatches(store, data_shard % run.data_shards, run.data_shards, run.batch_size,
                                     run.seq_len, run.seed)  # fmt: skip
         cfg = get_preset(run.preset, vocab_size=run.vocab_size)
@@ -92,7 +92,7 @@ class SimFullReplica(SimReplica):
     """The whole model on one replica (see the module docstring)."""
 
     def __init__(self, run: RunConfig, store: TokenStore, data_shard: int, device: torch.device = CPU) -> None:
-        super().__init__(run, store, data_shard, device)
+        super().__init__(run, store, data_shard)
         self.model = global_model(run).to(device)
         self.trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, device)
         self._make_methods()
@@ -111,7 +111,7 @@ class SimVirtualReplica(SimReplica):
     """The run's S stages composed in one process, boundary messages encoded and decoded (module docstring)."""
 
     def __init__(self, run: RunConfig, store: TokenStore, data_shard: int, device: torch.device = CPU) -> None:
-        super().__init__(run, store, data_shard, device)
+        super().__init__(run, store, data_shard)
         self.stages = [PipelineStage(run, s, device) for s in range(run.outer.stages)]
         self.sizes = microbatch_sizes(run.batch_size, run.pipeline.microbatches)
         self._make_methods()
