@@ -58,7 +58,7 @@ class AggregateResult:
     """The aggregate of one shard and who took part."""
 
     tensors: list[Tensor]
-    """Dense fp32 CPU tensors, one per expected shape."""
+    """Dense fp32 tensors on the device `aggregate` was given, one per expected shape."""
     used: list[int]
     """Positions (in the input order) of the contributions that were aggregated."""
     dropped: list[tuple[int, str]]
@@ -134,6 +134,7 @@ def aggregate(
     weights: Sequence[float] | None = None,
     peer_ids: Sequence[str] | None = None,
     robust: bool = False,
+    device: torch.device | str = "cpu",
 ) -> AggregateResult:
     """Token-weighted, per-token-norm-clipped mean over selectors of `contributions` for a shard of `shapes`.
 
@@ -141,25 +142,30 @@ def aggregate(
     `peer_ids` only name peers in the warnings about dropped contributions. `robust` selects the robust rule instead
     (see `_robust`). Pass contributions in a canonical order: fp32 sums depend on it, and every
     peer must get the same bits.
+
+    The dense sums live on `device` (the model's: a GPU sums a shard in milliseconds where a CPU takes most of a
+    second). The bits do not depend on it: each coordinate gets one correctly rounded fp32 multiply, add or divide
+    at a time, in contribution order (`index_add_` of one contribution touches each coordinate once), and the clip
+    factors are computed on the host in float64 (see `tests/test_outer_devices.py`).
     """
     weights = [1.0] * len(contributions) if weights is None else list(weights)
     names = list(peer_ids) if peer_ids is not None else [f"#{i}" for i in range(len(contributions))]
     used, dropped = _checked(contributions, shapes, weights, names)
     if robust:
-        return _robust(contributions, shapes, weights, used, dropped)
+        return _robust(contributions, shapes, weights, used, dropped, torch.device(device))
     heaviest = max((weights[i] for i in used), default=1.0)
     relative = [weights[i] / heaviest for i in used]
     clip_factors = _per_token_clip([contribution_norm(contributions[i]) for i in used], relative)
 
-    sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32) for s in shapes]
+    sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32, device=device) for s in shapes]
     totals = [torch.zeros_like(s) for s in sums]
     for i, factor, w in zip(used, clip_factors, relative, strict=True):
         msg = contributions[i]
-        scale = torch.tensor(factor * w, dtype=torch.float32)
-        weight = torch.tensor(w, dtype=torch.float32)
+        scale = torch.tensor(factor * w, dtype=torch.float32, device=device)
+        weight = torch.tensor(w, dtype=torch.float32, device=device)
         for t, part in enumerate(msg.tensors):
-            positions = msg.plan(t).positions(part.indices)
-            sums[t].index_add_(0, positions, dequantize(part) * scale)
+            positions = msg.plan(t).positions(part.indices).to(device)
+            sums[t].index_add_(0, positions, dequantize(part).to(device) * scale)
             totals[t].index_add_(0, positions, weight.expand(positions.numel()))
     tensors = [
         torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s).view(tuple(shape))
@@ -180,6 +186,7 @@ def _robust(
     weights: list[float],
     used: list[int],
     dropped: list[tuple[int, str]],
+    device: torch.device,
 ) -> AggregateResult:
     """The mean rule with every bound made per tensor and per coordinate, so a minority cannot concentrate.
 
@@ -196,19 +203,19 @@ def _robust(
     capped = [min(weights[i], ROBUST_WEIGHT_CAP * median) for i in used]
     heaviest = max(capped, default=1.0)
     relative = [w / heaviest for w in capped]
-    total_weight = torch.tensor(math.fsum(relative) if relative else 1.0, dtype=torch.float32)
+    total_weight = torch.tensor(math.fsum(relative) if relative else 1.0, dtype=torch.float32, device=device)
     clip_factors = [1.0] * len(used)
     tensors = []
     for t, shape in enumerate(shapes):
         parts = [contributions[i].tensors[t] for i in used]
         factors = _per_token_clip([tensor_norm(p) for p in parts], relative)
         peak = lower_median([peak_value(p) * f / w for p, f, w in zip(parts, factors, relative, strict=True)] or [0])
-        total = torch.zeros(math.prod(tuple(shape)), dtype=torch.float32)
+        total = torch.zeros(math.prod(tuple(shape)), dtype=torch.float32, device=device)
         for k, (i, part, factor, w) in enumerate(zip(used, parts, factors, relative, strict=True)):
             clip_factors[k] = min(clip_factors[k], factor)
             bound = float(torch.tensor(peak * w, dtype=torch.float32))
-            values = (dequantize(part) * torch.tensor(factor, dtype=torch.float32)).clamp(-bound, bound)
-            positions = contributions[i].plan(t).positions(part.indices)
-            total.index_add_(0, positions, values * torch.tensor(w, dtype=torch.float32))
+            values = (dequantize(part) * torch.tensor(factor, dtype=torch.float32)).clamp(-bound, bound).to(device)
+            positions = contributions[i].plan(t).positions(part.indices).to(device)
+            total.index_add_(0, positions, values * torch.tensor(w, dtype=torch.float32, device=device))
         tensors.append((total / total_weight).view(tuple(shape)))
     return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)

@@ -14,6 +14,13 @@ One interface, two methods; `--aggregation` picks how `combine` bounds each mess
 
 Everything here is arithmetic every member must reproduce bit for bit, so it lives in `protocol/`; the transport
 (groups, streams, verification) is `client/outer/`.
+
+Where tensors live: a method works on its replica's `device` (the model's). Messages are bytes; decoding yields
+CPU tensors; the aggregate, the outer state (error feedback, DiLoCo momentum) and θ(t+1) are on `device`, and
+θ(t+1) keeps θ(t)'s device and dtype (computed in at least fp32). Members on a GPU and on a CPU still get the
+same bits: every step of `combine` and `update` is one correctly rounded elementwise fp32 operation at a time, in
+a fixed order (no reductions over coordinates, no fused multiply-add), and what is reduced (clip norms, weights)
+is reduced on the host in float64. Checkpoints and shared state leave as CPU copies.
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ class Combined:
 class OuterMethod(ABC):
     """One shard's outer optimizer (see the module docstring)."""
 
-    def __init__(self, shapes: Shapes) -> None:
+    def __init__(self, shapes: Shapes, device: torch.device | str = "cpu") -> None:
         self.shapes = [tuple(s) for s in shapes]
+        self.device = torch.device(device)
 
     @property
     @abstractmethod
@@ -126,11 +134,11 @@ class OuterMethod(ABC):
 class SparseLoCoMethod(OuterMethod):
     """Error feedback + chunked top-k + 2-bit values; token-weighted mean over selectors; θ(t+1) = θ(t) − α·agg."""
 
-    def __init__(self, shapes: Shapes, run: RunConfig) -> None:
-        super().__init__(shapes)
+    def __init__(self, shapes: Shapes, run: RunConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__(shapes, device)
         self.config, self.alpha = run.sparseloco, run.outer.outer_lr
         self.robust = run.outer.aggregation == "robust"
-        self.compressor = ErrorFeedbackCompressor(self.shapes, self.config)
+        self.compressor = ErrorFeedbackCompressor(self.shapes, self.config, self.device)
 
     @property
     def max_message_bytes(self) -> int:
@@ -152,12 +160,12 @@ class SparseLoCoMethod(OuterMethod):
         return sparse_codec.decode(payload, self.shapes, self.config)
 
     def _combine_sorted(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
-        result = aggregate(messages, self.shapes, weights, names, robust=self.robust)
+        result = aggregate(messages, self.shapes, weights, names, robust=self.robust, device=self.device)
         return Combined(result.tensors, result.used, result.dropped)
 
     def update(self, start: Sequence[Tensor], combined: Combined) -> list[Tensor]:
         """Plain SGD: the error feedback already plays the role of momentum."""
-        return [s - self.alpha * a.to(s.dtype) for s, a in zip(start, combined.tensors, strict=True)]
+        return [_minus(s, self.alpha * a) for s, a in zip(start, combined.tensors, strict=True)]
 
     def state_dict(self) -> dict[str, Any]:
         return {"error_feedback": self.compressor.state_dict()}
@@ -179,10 +187,10 @@ class SparseLoCoMethod(OuterMethod):
 class DiLoCoMethod(OuterMethod):
     """The dense baseline: fp32/fp16 pseudo-gradients, token-weighted mean, outer Nesterov SGD."""
 
-    def __init__(self, shapes: Shapes, run: RunConfig) -> None:
-        super().__init__(shapes)
+    def __init__(self, shapes: Shapes, run: RunConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__(shapes, device)
         self.wire, self.lr, self.mu = run.outer.diloco_wire, run.outer.diloco_lr, run.outer.diloco_momentum
-        self.momentum = [torch.zeros(s) for s in self.shapes]
+        self.momentum = [torch.zeros(s, device=self.device) for s in self.shapes]
 
     @property
     def max_message_bytes(self) -> int:
@@ -201,27 +209,28 @@ class DiLoCoMethod(OuterMethod):
         """Σ w_r·Δ_r / Σ w_r, summed in canonical order."""
         used = [i for i, w in enumerate(weights) if math.isfinite(w) and w > 0]
         dropped = [(i, f"weight {weights[i]!r} is not a positive number") for i in range(len(weights)) if i not in used]
+        sums = [torch.zeros(s, device=self.device) for s in self.shapes]
         if not used:
-            return Combined([torch.zeros(s) for s in self.shapes], [], dropped)
+            return Combined(sums, [], dropped)
         heaviest = max(weights[i] for i in used)
         total = math.fsum(weights[i] / heaviest for i in used)
-        sums = [torch.zeros(s) for s in self.shapes]
         for i in used:
-            scale = torch.tensor(weights[i] / heaviest / total, dtype=torch.float32)
+            scale = torch.tensor(weights[i] / heaviest / total, dtype=torch.float32, device=self.device)
             for acc, t in zip(sums, messages[i], strict=True):
-                acc.add_(t * scale)
+                acc.add_(t.to(self.device) * scale)
         return Combined(sums, used, dropped)
 
     def update(self, start: Sequence[Tensor], combined: Combined) -> list[Tensor]:
         """m ← μ·m + Δ̄; θ(t+1) = θ(t) − lr·(Δ̄ + μ·m)."""
         new = []
         for s, d, m in zip(start, combined.tensors, self.momentum, strict=True):
+            d = d.to(m.device)
             m.mul_(self.mu).add_(d)
-            new.append(s - self.lr * (d + self.mu * m))
+            new.append(_minus(s, self.lr * (d + self.mu * m)))
         return new
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum": [m.clone() for m in self.momentum]}
+        return {"momentum": [m.detach().to("cpu", copy=True) for m in self.momentum]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_shared_state(state["momentum"])
@@ -239,6 +248,13 @@ class DiLoCoMethod(OuterMethod):
         return self.momentum
 
 
-def outer_method(run: RunConfig, shapes: Shapes) -> OuterMethod:
-    """The run's outer method for one shard of `shapes`."""
-    return (SparseLoCoMethod if run.outer.outer == "sparseloco" else DiLoCoMethod)(shapes, run)
+def _minus(start: Tensor, step: Tensor) -> Tensor:
+    """θ − step on θ's device, in θ's dtype promoted to at least fp32, returned in θ's dtype (a bf16 or fp64 θ stays
+    one; an fp32 θ beside an fp32 step on its device costs no copy)."""
+    dtype = torch.promote_types(start.dtype, torch.float32)
+    return (start.to(dtype) - step.to(start.device, dtype)).to(start.dtype)
+
+
+def outer_method(run: RunConfig, shapes: Shapes, device: torch.device | str = "cpu") -> OuterMethod:
+    """The run's outer method for one shard of `shapes`, its state and arithmetic on `device` (the model's)."""
+    return (SparseLoCoMethod if run.outer.outer == "sparseloco" else DiLoCoMethod)(shapes, run, device)

@@ -250,11 +250,13 @@ class ShardSync:
         shapes: list[tuple[int, ...]],
         timeouts: SyncTimeouts,
         stop: threading.Event,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.runtime, self.run, self.shard, self.shapes, self.timeouts = runtime, run, shard, shapes, timeouts
         self.stop = stop
         """The node is leaving: every wait ends at once (its averager and p2pd may already be gone)."""
-        self.method: OuterMethod = outer_method(run, shapes)
+        self.method: OuterMethod = outer_method(run, shapes, device)
+        """Its arithmetic and outer state on `device`, the shard's parameters' (see `protocol/outer_methods.py`)."""
         self.state_bytes = sum(4 * math.prod(s) for s in shapes)
         self.small_messages = 4 * self.method.max_message_bytes <= self.state_bytes
         """Messages are far smaller than the shard's state (SparseLoCo), so the round's messages are re-served and
