@@ -13,9 +13,9 @@ per shard, so every peer must list a shard's tensors in the same order. That ord
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
+import blake3
 import torch
 from torch import nn
 
@@ -37,14 +37,17 @@ def shard_tensors(module: nn.Module, names: list[str]) -> list[torch.Tensor]:
 
 
 def fingerprint(tensors: Sequence[torch.Tensor]) -> str:
-    """128-bit BLAKE2b hex digest of the dtype, shape and raw bytes of each tensor, in order.
+    """128-bit BLAKE3 hex digest of the dtype, shape and raw bytes of each tensor, in order.
 
-    Peers compare it after every outer step to prove they hold bit-identical weights. Hashing the bytes in place
-    (a uint8 view, no serialisation) keeps it at hash speed; bf16 needs the view because numpy has no bf16.
+    Peers compare it after every outer step to prove they hold bit-identical weights, and a joiner checks a donor's
+    state against it, so it must stay a cryptographic hash. BLAKE3 on all cores hashes a shard of a 178M-parameter
+    model in tens of milliseconds where BLAKE2b took most of a second; hashing the bytes in place (a uint8 view, no
+    serialisation) keeps it at hash speed, and a tensor on a GPU is hashed from its CPU copy, so the digest does
+    not depend on the device.
     """
-    h = hashlib.blake2b(digest_size=16)
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     for t in tensors:
-        data = t.detach().cpu().contiguous()
+        data = t.detach().to("cpu").contiguous()
         h.update(f"{data.dtype}{tuple(data.shape)};".encode())
-        h.update(data.reshape(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
+        h.update(data.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest(length=16)

@@ -18,7 +18,7 @@ from typing import Any
 
 from hetero_node.protocol.errors import ConfigError, require_positive
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64
@@ -111,6 +111,13 @@ class OuterConfig:
             "fastest replica's measured speed)."
         },
     )
+    target_utilisation: float = field(
+        default=0.9,
+        metadata={
+            "help": "Rounds last long enough that training fills at least this share of a replica's time, given "
+            "what a round costs outside training as measured (exchange, outer step); 0: H steps alone set the length."
+        },
+    )
     min_inner_steps: int = field(
         default=1, metadata={"help": "A replica that cannot train this many steps in a round sits it out."}
     )
@@ -135,6 +142,8 @@ class OuterConfig:
         require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")
         if self.max_contributors < 0:
             raise ConfigError(f"--max-contributors must be ≥ 0 (0: every contributor), got {self.max_contributors}")
+        if not (math.isfinite(self.target_utilisation) and 0 <= self.target_utilisation < 1):
+            raise ConfigError(f"--target-utilisation must be in [0, 1), got {self.target_utilisation}")
         if not (math.isfinite(self.round_s) and self.round_s >= 0):
             raise ConfigError(f"--round-s must be ≥ 0 (0: derived from H), got {self.round_s}")
         if self.max_inner_steps < 0 or 0 < self.max_inner_steps < self.min_inner_steps:
