@@ -21,11 +21,16 @@ def options(**values: str | bool) -> list[str]:
     return args
 
 
-def run_args(rounds: int, inner_steps: int = 8, preset: str = "tiny", **extra: str) -> list[str]:
-    """The tests' run definition; the bootstrap announces it and replicas adopt it."""
+def run_args(
+    rounds: int, inner_steps: int = 8, preset: str = "tiny", target_utilisation: float = 0.0, **extra: str
+) -> list[str]:
+    """The tests' run definition; the bootstrap announces it and replicas adopt it. By default rounds of H steps
+    (or `--round-s`), not stretched to a utilisation target: short rounds keep the suite short (the target has its
+    own test, `test_round_sizing.py`)."""
     args = [
         "--preset", preset, "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
         "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
+        "--target-utilisation", str(target_utilisation),
     ]  # fmt: skip
     return args + options(**extra)
 

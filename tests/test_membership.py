@@ -29,6 +29,7 @@ from hetero_node.protocol.records import PeerRecord
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(300)]
 
 RUN = ["--preset", "tiny", "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--stages", "2"]
+RUN += ["--target-utilisation", "0"]  # rounds of H steps: see swarm_helpers.run_args
 NODE = ["--record-refresh-s", "2", "--settle-s", "2", "--quiet"]
 VENV_BIN = Path(sys.executable).parent
 

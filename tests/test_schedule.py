@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from factories import peer_id, peer_record
 
-from hetero_node.client.roles.schedule import RoundClock
+from hetero_node.client.roles.schedule import MAX_STRETCH, RoundClock
 from hetero_node.protocol.roles import ROLE_FULL
 from hetero_node.protocol.run_config import OuterConfig
 
@@ -90,3 +90,27 @@ def test_a_replica_behind_learns_its_round_is_over_from_replicas_training_a_late
     plan = mine.plan(4, records, ME, now=1000.0)
     assert plan.deadline == pytest.approx(993.0)  # round 4 ended two round lengths before round 6's deadline
     assert plan.sit_out  # 1 step of 0.5 s no longer fits before 993 + the grace
+
+
+def test_a_round_is_stretched_until_training_fills_the_target_share_next_to_the_swarms_overhead() -> None:
+    """On a GPU H steps take a fraction of a second and the exchange seconds: L grows to O·u/(1 − u) for the lower
+    median overhead O, so neither one slow link nor one lying record sets everyone's round."""
+    fast = [replica(name, step_s=0.1) for name in ("a", "b", "c")]  # H = 10 steps: 1 s
+    overheads = (1.0, 2.0, 500.0)
+    records = {pid: record.copy(update={"overhead_s": o}) for (pid, record), o in zip(fast, overheads, strict=True)}
+    assert clock().round_length(records) == pytest.approx(2.0 * 0.9 / 0.1)  # lower median of 1, 2, 500: 2 s
+    assert clock(target_utilisation=0.5).round_length(records) == pytest.approx(2.0)
+    assert clock(target_utilisation=0.0).round_length(records) == pytest.approx(1.0)  # off: H steps
+    assert clock(round_s=7.0).round_length(records) == 7.0  # an explicit length wins
+    capped = {pid: record.copy(update={"overhead_s": 100.0}) for pid, record in fast}
+    assert clock().round_length(capped) == pytest.approx(MAX_STRETCH * 1.0)  # a runaway wait cannot feed back
+
+
+def test_a_replica_folds_its_own_measured_overhead_into_the_round_length() -> None:
+    mine = clock()
+    records = dict([replica("a", step_s=0.1)])
+    assert mine.round_length(records) == pytest.approx(1.0)  # nothing measured yet
+    mine.record_overhead(1.0)
+    mine.record_overhead(3.0)  # EMA: 2.0
+    assert mine.overhead_s == pytest.approx(2.0)
+    assert mine.round_length(records) == pytest.approx(2.0 * 9)

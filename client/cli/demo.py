@@ -45,6 +45,10 @@ class DemoConfig:
     diloco_wire: str = field(default="fp32", metadata={"help": "DiLoCo all-reduce wire dtype: fp32 or fp16."})
     lr: float = field(default=2e-3, metadata={"help": "Peak inner learning rate."})
     round_s: float = field(default=0.0, metadata={"help": "Round length in seconds (0: H steps at the fastest speed)."})
+    target_utilisation: float = field(
+        default=OuterConfig.target_utilisation,
+        metadata={"help": "Share of a round training fills at least, next to the round's measured costs (0: off)."},
+    )
     min_inner_steps: int = field(default=1, metadata={"help": "Fewest inner steps a replica trains to contribute."})
     max_inner_steps: int = field(
         default=0, metadata={"help": "Most inner steps per round (0: no cap; = H with --min-inner-steps H: fixed H)."}
@@ -87,7 +91,8 @@ def run_args(cfg: DemoConfig) -> list[str]:
         "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
         "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
         "--activation-compression", cfg.activation_compression, "--subspace-rank", str(cfg.subspace_rank),
-        "--round-s", str(cfg.round_s), "--min-inner-steps", str(cfg.min_inner_steps),
+        "--round-s", str(cfg.round_s), "--target-utilisation", str(cfg.target_utilisation),
+        "--min-inner-steps", str(cfg.min_inner_steps),
         "--max-inner-steps", str(cfg.max_inner_steps), "--seed", str(cfg.seed),
         "--max-contributors", str(cfg.max_contributors), *(["--overlap"] if cfg.overlap else []),
     ]  # fmt: skip
@@ -180,6 +185,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "dense_fp32_allreduce_bytes_per_round_per_peer": dense,
         "compression_vs_dense": dense / sent if sent and dense else None,
         "compute_s_per_round": statistics.mean(r["compute_s"] for r in rounds),
+        "full_replica_compute_utilisation": _lowest_utilisation(report),
         "comm_s_per_round": statistics.mean(r["comm_s"] for r in rounds),
         "rounds_with_agreeing_fingerprints": sum(
             1 for shards in by_round.values() if all(len(fps) == 1 for fps in shards.values())
@@ -187,6 +193,21 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "rounds": len(by_round),
         **_boundary_summary(report),
     }
+
+
+def compute_utilisation(rounds: list[dict[str, Any]]) -> float | None:
+    """A peer's share of wall time spent in inner steps, from its first round's record to its last: Σ compute_s of
+    the rounds after the first over the time between their records (None with fewer than two timed records)."""
+    timed = sorted((r["ended_at"], r["compute_s"]) for r in rounds if r.get("ended_at"))
+    if len(timed) < 2 or timed[-1][0] <= timed[0][0]:
+        return None
+    return sum(compute for _, compute in timed[1:]) / (timed[-1][0] - timed[0][0])
+
+
+def _lowest_utilisation(report: dict[str, Any]) -> float | None:
+    """The lowest compute utilisation among the full replicas (None without any that recorded two rounds)."""
+    values = [compute_utilisation(p["rounds"]) for p in report["peers"] if p["role"] == "full"]
+    return min((v for v in values if v is not None), default=None)
 
 
 def _boundary_summary(report: dict[str, Any]) -> dict[str, Any]:

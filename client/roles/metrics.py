@@ -67,6 +67,12 @@ class RoundRecord:
     """Seconds training was blocked waiting for the round's exchange (with --overlap only what did not overlap)."""
     round_s: float = 0.0
     """The round length the deadline came from (0: not time-boxed)."""
+    overhead_s: float = 0.0
+    """What a round costs this replica outside training, as its clock estimates it (exchange, outer step,
+    catch-up, planning: the time between the end of one round's training and the start of the next's)."""
+    ended_at: float = 0.0
+    """Wall-clock (Unix) time the record was written: compute utilisation is Σ compute_s over the time between two
+    records."""
 
 
 def round_summary(record: RoundRecord) -> RoundSummary:

@@ -57,6 +57,8 @@ DEADLINE_REFRESH_S = (0.25, 2.0)
 earlier deadline of the round."""
 STEP_STRIDE = 1 << 20
 """Batch index of inner step i of round t: t·STEP_STRIDE + i (unique however many steps a round has)."""
+MAX_BACK_OFF_S = 5.0
+"""Longest wait before planning again after rounds whose result nobody served us yet."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,11 @@ class Replica(ABC):
         self.embed_change: tuple[Tensor, Tensor] | None = None
         """The entries of E_S the last outer step changed (subspace runs), served to later stages."""
         self.in_flight: InFlight | None = None
+        self.trained_until: tuple[int, float] | None = None
+        """(round, perf_counter time) at which this replica's last training ended: the next round's overhead
+        (`RoundClock.record_overhead`) is measured from it."""
+        self.failed_settles = 0
+        """Rounds in a row whose result we could not get though others are ahead: we wait before trying again."""
         self.on_round: Callable[[RoundRecord], None] | None = None
         self._served_mark = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
@@ -311,14 +318,18 @@ class Replica(ABC):
                     if self.stop.wait(1.0):
                         break
                     raise
+                if self.back_off():
+                    break
                 if self.in_flight is None:
                     self.catch_up()
                 t = self.round + (self.in_flight is not None)  # under overlap, the round after the one in flight
                 if t >= rounds:
                     self.settle(wait=True)
                     break
+                self.measure_overhead(t)
                 plan = self.plan(t)
                 trained = self.train(plan)
+                self.trained_until = (t, time.perf_counter()) if trained is not None else None
                 if self.stop.is_set():
                     break
                 self.settle(wait=True)  # Δ is measured from θ(t): round t−1's result must be in
@@ -330,6 +341,20 @@ class Replica(ABC):
             self.linger()
         finally:
             self.close()
+
+    def back_off(self) -> bool:
+        """After rounds whose result nobody served us yet (others are ahead, their messages and states not in
+        reach), wait before planning again, longer each time (0.5 s to `MAX_BACK_OFF_S`): planning at once only
+        sits the next round out as well, in a loop. Returns whether the node is leaving."""
+        if not self.failed_settles:
+            return False
+        return self.stop.wait(min(MAX_BACK_OFF_S, 0.5 * 2 ** (self.failed_settles - 1)))
+
+    def measure_overhead(self, t: int) -> None:
+        """What round t − 1 cost outside training: from the end of its training to now, the start of round t's
+        planning (settling, exchange, outer step, catch-up). Only between consecutive rounds we trained."""
+        if self.trained_until is not None and self.trained_until[0] == t - 1:
+            self.clock.record_overhead(time.perf_counter() - self.trained_until[1])
 
     def linger(self) -> None:
         """Serve the final state and messages to slower peers before leaving: at least --linger-s, and on while
@@ -350,7 +375,8 @@ class Replica(ABC):
         """Averaging groups, state blobs and the metrics file (averagers must start in the main thread)."""
         shapes = {s: [tuple(p.shape) for p in tensors] for s, tensors in self.params.items()}
         self.syncs = {
-            s: ShardSync(self.runtime, self.run_cfg, s, shape, self.timeouts, self.stop) for s, shape in shapes.items()
+            s: ShardSync(self.runtime, self.run_cfg, s, shape, self.timeouts, self.stop, self.params[s][0].device)
+            for s, shape in shapes.items()
         }
         leave_on_signals(self.stop)
         fixed = self.fixed_table
@@ -443,6 +469,7 @@ class Replica(ABC):
         messages while they are still served, else from a peer's state."""
         records = self.records()
         ahead = view.swarm_round(self.donors(records), self.me)
+        behind_from = self.round
         while self.messages_cheaper(ahead - self.round, records) and not self.stop.is_set():
             got = self.rebuild_round(self.round, list(self.start))
             if got is None:
@@ -453,6 +480,8 @@ class Replica(ABC):
             size = self.load_state(min_round=ahead, wait_s=0.0)
             if size is not None:
                 self.record_round(self.round - 1, None, None, Settled(caught_up="state", catch_up_bytes=size))
+        if self.round > behind_from:
+            self.failed_settles = 0
 
     def messages_cheaper(self, behind: int, records: dict[str, PeerRecord]) -> bool:
         """Whether rebuilding `behind` rounds from their messages beats loading the state: the messages are still
@@ -488,7 +517,12 @@ class Replica(ABC):
         from hivemind.utils import get_dht_time
 
         plan = self.clock.plan(t, self.records(), self.me, get_dht_time())
-        self.announce(train_round=t, deadline=plan.deadline or 0.0, step_s=round(self.clock.step_s, 4))
+        self.announce(
+            train_round=t,
+            deadline=plan.deadline or 0.0,
+            step_s=round(self.clock.step_s, 4),
+            overhead_s=round(self.clock.overhead_s, 4),
+        )
         if plan.sit_out:
             logger.warning(
                 "round %d: too late to train %d steps before its deadline; receiving only", t, plan.min_steps
@@ -584,6 +618,7 @@ class Replica(ABC):
         missing = [s for s in self.syncs if s not in new]
         if missing:
             how, size, rebuilt = self.obtain(flight, missing)
+            self.failed_settles = self.failed_settles + 1 if how == "failed" else 0
             settled.caught_up, settled.catch_up_bytes = how, size
             for shard, got in rebuilt.items():
                 new[shard] = got.tensors
@@ -598,6 +633,8 @@ class Replica(ABC):
                     self.rebase(progress)
                 self.record_round(flight.round, flight, None, settled)
                 return
+        else:
+            self.failed_settles = 0
         self.drop_unused(flight, outcomes)
         eval_loss = self.apply(new, flight.round + 1, flight, progress=progress)
         self.record_round(flight.round, flight, eval_loss, settled)
@@ -732,6 +769,8 @@ class Replica(ABC):
             catch_up_bytes=settled.catch_up_bytes,
             wait_s=flight.wait_s if flight else 0.0,
             round_s=(flight.plan.length_s or 0.0) if flight else 0.0,
+            overhead_s=self.clock.overhead_s,
+            ended_at=time.time(),
             **self.round_extras(),
         )
         self.metrics.write(record)

@@ -6,6 +6,14 @@ the round. Its length L is `--round-s`, or H inner steps at the fastest replica'
 record advertises `step_s`, the training loop's wall time per step), so the fastest replica trains about H steps
 and a replica three times slower about H/3.
 
+A round must also be long enough for what it costs outside training: exchange, outer step, catch-up. On a GPU an
+inner step takes milliseconds, and H of them are far shorter than the round's own fixed costs, so a replica would
+spend most of its time not training. Each replica measures that overhead O (the time from the end of one round's
+training to the start of the next's), advertises it (`overhead_s`), and L is at least O·u/(1 − u) for the lower
+median O of the swarm and `--target-utilisation` u: training then fills at least u of a typical replica's time. The
+lower median, so that one slow link or one lying record cannot stretch everyone's round; and at most `MAX_STRETCH`
+times H steps.
+
 Agreement without a coordinator: a replica proposes deadline(t) = now + L when it starts round t (under
 `--overlap`, where training never pauses for the exchange, deadline(t−1) + L: a fixed cadence), announces it in
 its record, and adopts the earliest deadline any replica training round t announces, re-reading the records while
@@ -29,7 +37,11 @@ from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import OuterConfig
 
 STEP_EMA = 0.5
-"""Weight of the newest round in a replica's step-time estimate."""
+"""Weight of the newest round in a replica's step-time and overhead estimates."""
+MAX_STRETCH = 30.0
+"""The overhead stretches a round to at most this many times H steps: a round's waits grow with its length (the
+grace is a fraction of L), so a swarm that waits each round for a member who never comes must not feed that wait
+back into L without bound."""
 MIN_ROUND_FRACTION = 0.25
 """A replica that starts a round late still gets at least this fraction of L for its own proposal."""
 
@@ -79,6 +91,8 @@ class RoundClock:
         """Rounds follow each other at a fixed cadence (overlap): deadline(t) = deadline(t−1) + L."""
         self.step_s = 0.0
         """This replica's seconds per inner step (EMA over rounds; 0 until measured)."""
+        self.overhead_s = 0.0
+        """This replica's seconds per round outside training (EMA over rounds; 0 until measured)."""
         self._last: tuple[int, float] | None = None
         """(round, deadline) of the last round this replica planned."""
 
@@ -90,10 +104,16 @@ class RoundClock:
             measured = seconds / steps
             self.step_s = measured if self.step_s <= 0 else (1 - STEP_EMA) * self.step_s + STEP_EMA * measured
 
+    def record_overhead(self, seconds: float) -> None:
+        """Fold the time between the end of one round's training and the start of the next's into the estimate."""
+        if seconds > 0:
+            self.overhead_s = seconds if self.overhead_s <= 0 else (1 - STEP_EMA) * self.overhead_s + STEP_EMA * seconds
+
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
-        """L: --round-s, or H steps at the fastest replica's step time (None while no step time is known, and
-        for synchronous rounds: with --min-inner-steps ≥ H every replica trains its steps whatever the clock says,
-        and a deadline could only make a late one sit the round out)."""
+        """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills
+        --target-utilisation of a round next to the swarm's lower-median overhead (None while no step time is
+        known, and for synchronous rounds: with --min-inner-steps ≥ H every replica trains its steps whatever the
+        clock says, and a deadline could only make a late one sit the round out)."""
         if self.outer.round_s > 0:
             return self.outer.round_s
         if self.outer.min_inner_steps >= self.outer.inner_steps:
@@ -101,7 +121,17 @@ class RoundClock:
         known = [r.step_s for r in records.values() if r.step_s > 0]
         if self.step_s > 0:
             known.append(self.step_s)
-        return self.outer.inner_steps * min(known) if known else None
+        if not known:
+            return None
+        length = self.outer.inner_steps * min(known)
+        target = self.outer.target_utilisation
+        overheads = sorted(
+            [r.overhead_s for r in records.values() if r.overhead_s > 0] + [self.overhead_s] * (self.overhead_s > 0)
+        )
+        if target > 0 and overheads:
+            stretched = overheads[(len(overheads) - 1) // 2] * target / (1 - target)
+            length = max(length, min(stretched, MAX_STRETCH * length))
+        return length
 
     def grace(self, records: dict[str, PeerRecord], round_: int, length_s: float | None) -> float:
         """How long a group waits past the deadline: a matchmaking window, a fraction of the round, or one and a
