@@ -20,7 +20,7 @@ from hetero_node.client.cli.demo import DemoConfig, summarize
 from hetero_node.client.node.join import role_for_run
 from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
-from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, CheckpointWriter, load_checkpoint, save_checkpoint
 from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.runtime import MAX_RECORD_LIFETIME_S, latest_valid_records, parse_peer_multiaddrs
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
@@ -121,6 +121,31 @@ def test_checkpoint_round_trip_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="non-finite"):
         load_checkpoint(tmp_path, "abc")
     assert load_checkpoint(tmp_path / "missing", "abc") is None
+
+
+def test_the_background_writer_writes_the_latest_snapshot_taken_when_saved_and_survives_a_refusal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    weights = torch.arange(4.0)
+    writer = CheckpointWriter(tmp_path)
+    try:
+        writer.save({"run_id": "abc", "round": 3, "model": {"w": weights}})
+        weights.add_(10.0)  # training goes on writing into the live tensor: the snapshot must not see it
+        writer.save({"run_id": "abc", "round": 4, "model": {"w": weights}, "trainer": {"step": [weights]}})
+        weights.add_(10.0)
+        writer.flush()
+        loaded = load_checkpoint(tmp_path, "abc")
+        assert loaded["round"] == 4 and torch.equal(loaded["model"]["w"], torch.arange(4.0) + 10)
+        blocked = tmp_path / "not-a-directory"
+        blocked.write_text("a file where the checkpoint directory should be")
+        refused = CheckpointWriter(blocked)
+        refused.save({"run_id": "abc", "round": 5, "model": {}})
+        refused.close()  # logged, not raised: a full or broken disk must not end training
+        assert "could not write checkpoint" in caplog.text
+        writer.save({"run_id": "abc", "round": 6, "model": {"w": weights}})
+    finally:
+        writer.close()  # writes what is pending before returning
+    assert load_checkpoint(tmp_path, "abc")["round"] == 6
 
 
 def test_a_state_download_gets_the_time_its_size_needs_on_this_nodes_link() -> None:

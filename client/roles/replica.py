@@ -36,7 +36,7 @@ from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
 from hetero_node.client.outer.shard_state import EMBED, FIXED, ShardStates, state_fingerprint
 from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
-from hetero_node.client.roles.checkpoint import load_checkpoint, save_checkpoint
+from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
 from hetero_node.client.roles.schedule import RoundClock, RoundPlan
 from hetero_node.client.swarm import view
@@ -153,6 +153,7 @@ class Replica(ABC):
         self.trained_until: tuple[int, float] | None = None
         """(round, perf_counter time) at which this replica's last training ended: the next round's overhead
         (`RoundClock.record_overhead`) is measured from it."""
+        self.checkpoints: CheckpointWriter | None = None
         self.failed_settles = 0
         """Rounds in a row whose result we could not get though others are ahead: we wait before trying again."""
         self.on_round: Callable[[RoundRecord], None] | None = None
@@ -268,10 +269,9 @@ class Replica(ABC):
             "run_config": self.run_cfg.to_dict(),  # what `hetero-node export` rebuilds the model's shape from
             **self.checkpoint_extras(),
         }
-        try:
-            save_checkpoint(self.node.checkpoint_dir, state)
-        except CheckpointError as e:  # a full disk must not end training; the previous checkpoint stays
-            logger.error("%s; training goes on without this round's checkpoint", e)
+        if self.checkpoints is None:
+            self.checkpoints = CheckpointWriter(self.node.checkpoint_dir)
+        self.checkpoints.save(state)  # a CPU snapshot now, written in the background
 
     def restore(self) -> None:
         """Resume from our checkpoint; a corrupt one is an error unless a peer can provide the current state, and
@@ -390,6 +390,8 @@ class Replica(ABC):
     def close(self) -> None:
         """Leave the averaging groups; bounded, also when a signal took their processes down already."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.checkpoints is not None:
+            self.checkpoints.close()  # the last round's checkpoint is on disk before the node exits
         for sync in self.syncs.values():
             sync.shutdown()
 
@@ -711,7 +713,6 @@ class Replica(ABC):
             )
         return eval_loss
 
-    @torch.no_grad()
     @torch.no_grad()
     def local_progress(self, flight: InFlight) -> dict[int, list[Tensor]] | None:
         """δ = W − W(t): what training did since the round's deadline (overlap only; None: nothing trained)."""
