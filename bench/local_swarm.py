@@ -20,8 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hetero_node.bench.netns import LabNode, NetLab
+from hetero_node.bench.netns import SUBNET, LabNode, NetLab
 from hetero_node.bootstrap.join_line import JOIN_LINE
+from hetero_node.client.cli.options import env_name
 from hetero_node.protocol.errors import HeteroNodeError
 
 
@@ -46,11 +47,14 @@ class LocalSwarm:
         threads_per_peer: int = 1,
         link_mbit: float | None = None,
         behind_nat: frozenset[str] = frozenset(),
+        subnet: str = SUBNET,
     ) -> None:
-        """`behind_nat`: peers (with `link_mbit`) that sit behind a NAT router of their own and cannot be dialed."""
+        """`behind_nat`: peers (with `link_mbit`) that sit behind a NAT router of their own and cannot be dialed;
+        `subnet`: where the lab's addresses come from (`bench/netns.py`)."""
         self.workdir = workdir
         self.link_mbit = link_mbit
         self.behind_nat = behind_nat
+        self.subnet = subnet
         self.lab: NetLab | None = None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen] = {}
@@ -60,6 +64,8 @@ class LocalSwarm:
             "OMP_NUM_THREADS": str(threads_per_peer),  # peers share the CPU; oversubscription slows all of them
             "PYTHONUNBUFFERED": "1",
         }
+        if link_mbit is None:  # loopback: nodes listen (and advertise) there only, not on the machine's interfaces
+            self.env[env_name("host")] = "127.0.0.1"
 
     def __enter__(self) -> LocalSwarm:
         """While the swarm runs, SIGTERM to this process ends it through `__exit__` (stopping every peer) instead
@@ -70,7 +76,7 @@ class LocalSwarm:
         if self._previous[signal.SIGINT] == signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         if self.link_mbit is not None:
-            self.lab = NetLab()
+            self.lab = NetLab(subnet=self.subnet)
         return self
 
     def __exit__(self, *exc: object) -> None:

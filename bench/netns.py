@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 LAB_PREFIX = "hnlab"
 SUBNET = "10.213.0"  # a /24; labs never share it since each has its own hub, so one fixed subnet serves all
 NAT_SUBNET = "10.214"  # NAT'd nodes' LANs: 10.214.<k>.0/24 behind their routers
+PUBLIC_SUBNET = "192.0.2"
+"""A /24 that libp2p does not count as a private LAN (TEST-NET-1, as on the machine of issue 29). p2pd's DHT finds
+a peer by id alone only on a private LAN (and loopback), so a lab on `SUBNET` hides failures of a peer that must dial
+the addresses it learned, as volunteers on the internet must."""
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 NODE_IF = "eth0"
 BRIDGE = "br0"
@@ -140,11 +144,13 @@ class NetLab:
     raises KeyboardInterrupt and SIGTERM still ends the process).
     """
 
-    def __init__(self, tag: str | None = None) -> None:
+    def __init__(self, tag: str | None = None, subnet: str = SUBNET) -> None:
+        """`subnet`: the /24 (first three octets) the nodes on the bridge get their addresses from."""
         self.tag = tag or f"{LAB_PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
         if not NAME.match(self.tag):
             raise ValueError(f"lab tag {self.tag!r} must match {NAME.pattern}")
         self.hub = f"{self.tag}-hub"
+        self.subnet = subnet
         self._owner_pid = os.getpid()
         self.nodes: dict[str, LabNode] = {}
         self._namespaces: list[str] = []
@@ -187,7 +193,8 @@ class NetLab:
         index = len(self.nodes)
         if index >= 253:
             raise ValueError("a lab holds at most 253 nodes (one /24)")
-        node = LabNode(name, f"{self.tag}-{name}", f"{SUBNET}.{index + 1}", NODE_IF, up_mbit, down_mbit, latency_ms)
+        address = f"{self.subnet}.{index + 1}"
+        node = LabNode(name, f"{self.tag}-{name}", address, NODE_IF, up_mbit, down_mbit, latency_ms)
         hub_if = f"n{index}"
         self._add_namespace(node.namespace)
         _sh(["ip", "-n", self.hub, "link", "add", hub_if, "type", "veth", "peer", "name", NODE_IF,
@@ -241,7 +248,7 @@ class NetLab:
                                stdout=subprocess.PIPE, text=True)  # fmt: skip
             if proxy.stdout is None or proxy.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"lab {self.tag}: the delay proxy of {node.name} did not start")
-            for rule in redirect_rules(f"{SUBNET}.0/24", node.address, DELAY_PROXY_PORT):
+            for rule in redirect_rules(f"{self.subnet}.0/24", node.address, DELAY_PROXY_PORT):
                 _sh(["ip", "netns", "exec", node.namespace, "iptables", *rule])
         log.info("lab %s: latencies %s", self.tag, {n.name: n.latency_ms for n in self.nodes.values()})
 

@@ -85,7 +85,9 @@ class NodeConfig:
     """Where this node lives and how it behaves; none of it must match other peers."""
 
     peers: list[str] = field(default_factory=list, metadata={"help": "Multiaddrs of peers to join through."})
-    host: str = field(default="127.0.0.1", metadata={"help": "Interface to listen on (0.0.0.0 for all)."})
+    host: str = field(
+        default="0.0.0.0", metadata={"help": "Interface to listen on (127.0.0.1: only this machine can reach it)."}
+    )
     port: int = field(default=0, metadata={"help": "TCP port to listen on (0: any free port)."})
     identity: Path | None = field(
         default=None,

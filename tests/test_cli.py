@@ -144,7 +144,7 @@ def test_log_level_reaches_logging_and_hivemind(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["status", "--peers", "/ip4/127.0.0.1/tcp/1"], "is not a peer multiaddr"),
+        (["status", "--peers", "/ip4/127.0.0.1/tcp/1"], "lacks the /p2p/<peer id> part"),
         (["join", "--peers", "not-an-address"], "is not a peer multiaddr"),
         (["join", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z",
           "--role", "full", "--stage", "1"], "--stage 1"),

@@ -260,9 +260,12 @@ def join(
         Role.AUTO, "--role", help="auto (the planner decides), full (whole model) or stage (one pipeline stage)."
     ),
     stage: int = typer.Option(-1, "--stage", help="With --role stage: serve only this stage (-1: any)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No live status line (for logs and scripts)."),
+    quiet: bool = typer.Option(
+        False, "--quiet", help="No live status line: a log line per round instead (as when stdout is not a terminal)."
+    ),
 ) -> None:
     """Join a swarm: learn its run from the bootstrap, measure this node, take the role that helps most, train."""
+    from hetero_node.client.cli.progress import ROUND_LOG, RoundLog
     from hetero_node.client.node.join import run_node
     from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
 
@@ -274,8 +277,12 @@ def join(
     node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
     configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     _lend_relay(relay)
-    if quiet:
-        run_node(configs, explicit, node, timeouts, role.value, stage, on_status=lambda _: None)
+    if quiet or not console.is_terminal:
+        round_log = RoundLog()
+        try:
+            run_node(configs, explicit, node, timeouts, role.value, stage, on_status=ROUND_LOG.info, on_round=round_log)
+        finally:
+            round_log.summary()
         return
     with err_console.status("joining the swarm") as status_line:
 
@@ -347,7 +354,7 @@ def status(
 @app.command()
 def doctor(
     peers: list[str] = typer.Option(..., "--peers", help="The bootstrap's multiaddr, as `join` would get it."),
-    host: str = typer.Option("0.0.0.0", "--host", help="Interface to listen on, as `join --host`."),
+    host: str = typer.Option(NodeConfig.host, "--host", help="Interface to listen on, as `join --host`."),
     port: int = typer.Option(0, "--port", help="TCP port to listen on, as `join --port` (0: any free port)."),
 ) -> None:
     """Check that this node can join and be reached: p2pd, the join line, the bootstrap, dial-back, addresses."""

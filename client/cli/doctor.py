@@ -45,6 +45,13 @@ def _private(addr: str) -> bool:
         return False
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def diagnose(peers: list[str], host: str, port: int) -> list[Check]:
     """Run the checks in order; a failure that makes the later ones meaningless ends the list."""
     from hetero_node.client.node.run_definition import fetch_run_announcement
@@ -76,7 +83,7 @@ def diagnose(peers: list[str], host: str, port: int) -> list[Check]:
             else Check("run announced", None, "the peer announces no run",
                        "a plain hivemind-dht bootstrap: pass the run's options to join yourself")
         )  # fmt: skip
-        checks.append(_reachability_check(check_reachability(runtime)))
+        checks.append(_reachability_check(check_reachability(runtime), host))
         announced = runtime.visible_maddrs
         public_swarm = any(not _private(a) for a in addresses)
         only_private = all(_private(a) for a in announced)
@@ -91,8 +98,15 @@ def diagnose(peers: list[str], host: str, port: int) -> list[Check]:
     return checks
 
 
-def _reachability_check(result: Any) -> Check:
+def _reachability_check(result: Any, host: str) -> Check:
     ports = ", ".join(map(str, result.ports))
+    if result.reachable is False and _loopback(host):
+        return Check(
+            "reachable from outside", False,
+            f"this node listens on {host}, which only programs on this machine can reach",
+            "leave --host out (join listens on every interface, 0.0.0.0, by default) or give the address of an "
+            "interface other peers can reach",
+        )  # fmt: skip
     if result.reachable:
         return Check("reachable from outside", True, f"the bootstrap connected to {', '.join(result.accepted)}")
     if result.reachable is None:

@@ -6,6 +6,7 @@ The training code reports through plain callbacks and dataclasses; only this mod
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -14,6 +15,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hetero_node.client.roles.local_train import ProgressCallback, TrainProgress, TrainSummary
+from hetero_node.client.roles.metrics import RoundRecord
+
+ROUND_LOG = logging.getLogger("hetero_node.rounds")
 
 
 @contextmanager
@@ -85,3 +89,40 @@ def train_summary_rows(summary: TrainSummary) -> list[tuple[str, object]]:
         ("tokens/s (training)", f"{summary.tokens_per_s:,.0f}"),
         ("eval loss", f"{summary.initial_eval_loss:.3f} → {summary.final_eval_loss:.3f}"),
     ]
+
+
+class RoundLog:
+    """One plain log line per round and a summary when the node leaves: what a node without a terminal (Docker,
+    systemd, nohup) shows instead of the live status line. Its lines are INFO, shown at the default --log-level
+    (WARNING) too, since they are all an unattended node says; --log-level ERROR silences them."""
+
+    def __init__(self) -> None:
+        if logging.getLogger().getEffectiveLevel() < logging.ERROR:
+            ROUND_LOG.setLevel(logging.INFO)
+        self.rounds = self.contributed = self.steps = self.bytes_sent = self.bytes_received = 0
+        self.loss: float | None = None
+
+    def __call__(self, record: RoundRecord) -> None:
+        self.rounds += 1
+        self.contributed += record.contributed
+        self.steps += record.inner_steps
+        self.bytes_sent += record.bytes_sent
+        self.bytes_received += record.bytes_received
+        self.loss = record.train_loss if record.train_loss is not None else self.loss
+        ROUND_LOG.info(
+            "round %d: %d steps, loss %s, %d contributors%s, %s bytes sent, %s received, %.1f s",
+            record.round, record.inner_steps, _loss(record.train_loss), record.contributors,
+            f" (caught up from {record.caught_up})" if record.caught_up else "", format_value(record.bytes_sent),
+            format_value(record.bytes_received), record.compute_s + record.comm_s,
+        )  # fmt: skip
+
+    def summary(self) -> None:
+        ROUND_LOG.info(
+            "left the swarm after %d rounds (%d contributed): %s steps, last loss %s, %s bytes sent, %s received",
+            self.rounds, self.contributed, format_value(self.steps), _loss(self.loss), format_value(self.bytes_sent),
+            format_value(self.bytes_received),
+        )  # fmt: skip
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 import tomllib
+import typing
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,23 @@ def load_run_file(path: Path) -> dict[str, dict[str, Any]]:
         unknown = set(values) - known
         if unknown:
             raise ConfigError(f"--config {path}: unknown keys in [{section}]: {', '.join(sorted(unknown))}")
+        _check_types(path, section, values)
     return data
+
+
+def _check_types(path: Path, section: str, values: dict[str, Any]) -> None:
+    """Each value must have its field's type as it is (a string where a number belongs is an error naming the key,
+    before any check compares it with a number); file options are written as strings."""
+    from pydantic import TypeAdapter, ValidationError
+
+    hints = typing.get_type_hints(RUN_SECTIONS[section])
+    for key, value in values.items():
+        expected = str if key in LOCAL_RUN_OPTIONS else hints[key]
+        try:
+            TypeAdapter(expected).validate_python(value, strict=True)
+        except ValidationError as e:
+            reason = e.errors()[0]["msg"].lower()
+            raise ConfigError(f"--config {path}: [{section}] {key} = {value!r}: {reason}") from None
 
 
 def apply_run_file(configs: dict[str, Any], run_file: dict[str, dict[str, Any]], explicit: set[str]) -> dict[str, Any]:

@@ -260,6 +260,7 @@ class StageSender:
 
             for attempt in range(SEND_ATTEMPTS):
                 try:
+                    await self.runtime.dialer.dial(peer)
                     return await self.runtime.p2p.call_protobuf_handler(
                         PeerID.from_base58(peer), self.handler, stream(), wire.StageAck
                     )

@@ -3,9 +3,9 @@
 `check_reachability` asks the peers we joined through to dial us back (`protocol/reachability.py`). A node that
 is not reachable restarts its daemon relayed: p2pd's auto-relay reserves a slot on those peers (the bootstrap by
 default; every hetero-node peer serves as a relay unless told not to), and the node announces
-`<relay>/p2p-circuit` addresses in its record. `RelayDialer` is the other half, on every peer: it connects to
-relayed peers through their circuit addresses as their records appear, which puts those addresses into the local
-daemon's peerstore, so fetching a relayed peer's message or sending it activations works like any other call.
+`<relay>/p2p-circuit` addresses in its record. `PeerDialer` is the other half, on every peer: it connects to
+peers at the addresses their records carry (relayed peers through their circuits), which puts those addresses into
+the local daemon's peerstore, so fetching a peer's message or sending it activations works like any other call.
 """
 
 from __future__ import annotations
@@ -116,56 +116,72 @@ def reachable_runtime(start: Callable[[list[str] | None], PeerRuntime], mode: st
     return runtime
 
 
-class RelayDialer:
-    """Keeps connections to the peers that need them, as their records appear (see module docstring): every node
-    connects to relayed peers through their circuits; a relayed node also connects out to every direct peer, so
-    the two share a direct connection (it dials out through its NAT) that libp2p prefers to the relayed one for
+class PeerDialer:
+    """Connects to peers at the addresses their signed records carry. p2pd finds a peer by its id alone only on a
+    private LAN or loopback; elsewhere a node never connected to a peer gets "routing: not found" (issue 29: a late
+    joiner could fetch no state), so every stream to a peer starts with `dial`, and each peer is also dialed as its
+    record appears or its addresses change, which puts them into the daemon's peerstore for hivemind's own calls
+    (matchmaking) too. A relayed peer is dialed through its circuits, again at least every REDIAL_S; a relayed node
+    dials every direct peer out through its NAT, and libp2p prefers that direct connection to the relayed one for
     new streams in either direction: only traffic between two relayed peers then crosses a relay."""
 
     def __init__(self, runtime: PeerRuntime) -> None:
         self.runtime = runtime
         self._dialed: dict[str, float] = {}
-        self._circuits: dict[str, list[Any]] = {}
-        """Peers reachable only through a relay → their circuit addresses, as their records last said."""
+        self._addrs: dict[str, tuple[str, ...]] = {}
+        """Every other peer → the addresses its record last announced (its circuits only, when it has any)."""
+        self._circuits: set[str] = set()
+        """Peers reachable only through a relay (their records announce circuits)."""
 
     def note(self, records: dict[str, PeerRecord]) -> None:
+        """Learn the addresses in freshly read records, and dial the peers that are new, moved or whose last dial
+        failed; relayed peers (and, from a relayed node, every peer) again every REDIAL_S, so a dropped connection
+        comes back."""
         now = time.monotonic()
         for pid, record in records.items():
             if pid == str(self.runtime.peer_id):
                 continue
-            circuits = [a for a in record.addrs if a.endswith(CIRCUIT_SUFFIX)]
+            circuits = tuple(a for a in record.addrs if a.endswith(CIRCUIT_SUFFIX))[:4]
+            addrs = circuits or tuple(record.addrs)
+            moved = addrs != self._addrs.get(pid)
+            self._addrs[pid] = addrs
             if circuits:
-                addrs = self._circuits[pid] = [circuit_multiaddr(a) for a in circuits[:4]]
-            elif self.runtime.relays:
-                addrs = [_without_peer_id(a) for a in record.addrs[:4]]
+                self._circuits.add(pid)
             else:
-                continue
-            if now - self._dialed.get(pid, -REDIAL_S) >= REDIAL_S:
+                self._circuits.discard(pid)
+            due = now - self._dialed.get(pid, -REDIAL_S) >= REDIAL_S
+            if moved or (due and (circuits or self.runtime.relays or pid not in self._dialed)):
                 self._dialed[pid] = now
-                asyncio.run_coroutine_threadsafe(self._connect(pid, addrs), self.runtime.loop)
+                asyncio.run_coroutine_threadsafe(self._connect(pid), self.runtime.loop)
 
     def through_relay(self, pid: str) -> bool:
         """Whether `pid` is reached through a circuit relay (its record announces circuits only)."""
         return pid in self._circuits
 
-    async def redial(self, pid: str) -> None:
-        """Dial `pid`'s circuit now: its relay reset the last one (see REDIAL_S)."""
-        if pid in self._circuits:
-            self._dialed[pid] = time.monotonic()
-            await self._connect(pid, self._circuits[pid])
-
-    async def _connect(self, pid: str, addrs: list[Any]) -> None:
+    async def dial(self, pid: str) -> None:
+        """Connect to `pid` at its record's addresses before opening a stream to it: a no-op while connected, a
+        fresh circuit when its relay reset the last one. Raises what the daemon says when no address answers; a
+        peer whose record we have not read is left to the daemon's own routing."""
         from hivemind.p2p import PeerID
 
+        addrs = self._addrs.get(pid)
+        if addrs:
+            self._dialed[pid] = time.monotonic()
+            await self.runtime.p2p._client.connect(PeerID.from_base58(pid), [_dialable(a) for a in addrs])
+
+    async def _connect(self, pid: str) -> None:
         try:
-            await self.runtime.p2p._client.connect(PeerID.from_base58(pid), addrs)
+            await self.dial(pid)
         except Exception as e:  # the relay has no reservation yet, or the peer left: try again at the next read
             logger.debug("connecting to peer %s failed: %r", pid, e)
             self._dialed.pop(pid, None)
 
 
-def _without_peer_id(addr: str) -> Any:
-    """A listen address without its /p2p/<id> part (connect takes the id separately; see `circuit_multiaddr`)."""
+def _dialable(addr: str) -> Any:
+    """A record's address as p2pd's connect takes it: a circuit as `circuit_multiaddr` encodes it, a listen
+    address without its /p2p/<id> part (the id travels separately)."""
     from hivemind.utils.multiaddr import Multiaddr
 
+    if addr.endswith(CIRCUIT_SUFFIX):
+        return circuit_multiaddr(addr)
     return Multiaddr(addr.partition("/p2p/")[0])

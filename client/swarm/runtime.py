@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hetero_node.client.swarm.reachability import RelayDialer, relay_addresses
+from hetero_node.client.swarm.reachability import PeerDialer, relay_addresses
 from hetero_node.protocol.errors import DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
@@ -59,8 +59,13 @@ STATE_REQUESTS_PER_MINUTE = 60
 stream a shard, so a looping peer must not turn us into its amplifier (security review H5). An honest stage asks for
 T_fixed once per round and for states once per shard when it (re)loads, with retries. A request resumed at an
 offset (through a relay) counts as the share of the blob it asks for."""
-MEMBER_REREAD_S = 1.0
-"""Private swarms: an unknown peer asking for a blob makes us re-read the records at most this often."""
+RECORDS_REREAD_S = 1.0
+"""Least time between two reads of the records made on demand: for an unknown peer asking for a blob (private
+swarms) and for a failed fetch (the peer may have moved to new addresses)."""
+
+
+EXAMPLE_PEER_MULTIADDR = "/ip4/1.2.3.4/tcp/31337/p2p/QmXa9QgKi..."
+"""How a peer's address looks in messages (hetero-node's RSA keys give Qm… peer ids)."""
 
 
 def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
@@ -71,11 +76,13 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     for address in addresses:
         try:
             maddr = Multiaddr(address)
-            maddr.value_for_protocol("p2p")
         except Exception as e:  # multiaddr raises several unrelated types for malformed input
+            raise PeerAddressError(f"{address!r} is not a peer multiaddr like {EXAMPLE_PEER_MULTIADDR} ({e})") from None
+        if "/p2p/" not in str(maddr):
             raise PeerAddressError(
-                f"{address!r} is not a peer multiaddr like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... ({e})"
-            ) from None
+                f"{address!r} lacks the /p2p/<peer id> part that names the peer: copy the whole address the "
+                f"bootstrap printed, like {EXAMPLE_PEER_MULTIADDR}"
+            )
         parsed.append(str(maddr))
     return parsed
 
@@ -267,7 +274,7 @@ class PeerRuntime:
         self._heartbeat: Any = None
         self.p2p = self.run(self.dht.replicate_p2p())
         self.peer_id = self.p2p.peer_id
-        self.relay_dialer = RelayDialer(self)
+        self.dialer = PeerDialer(self)
         if not client_mode and not relays:
             self.run(register_probe_handlers(self.p2p))
             self.run(register_dialback_handler(self.p2p))
@@ -356,13 +363,18 @@ class PeerRuntime:
         return len(self._members)
 
     async def _is_member(self, peer: str) -> bool:
-        """In a private swarm, whether `peer`'s record (with a valid proof) is in the view; re-read at most every
-        `MEMBER_REREAD_S` for a peer we do not know yet (it may have just joined)."""
+        """In a private swarm, whether `peer`'s record (with a valid proof) is in the view; re-read for a peer we
+        do not know yet (it may have just joined)."""
         if self.swarm_key is None or peer in self._members:
             return True
-        if time.monotonic() - self._members_read > MEMBER_REREAD_S:
-            await asyncio.get_running_loop().run_in_executor(None, self.read_records, 2.0)
+        await self._reread_records()
         return peer in self._members
+
+    async def _reread_records(self) -> None:
+        """Read the run's records now, unless they were read in the last `RECORDS_REREAD_S` (off the event loop:
+        the read waits on the DHT)."""
+        if time.monotonic() - self._members_read > RECORDS_REREAD_S:
+            await asyncio.get_running_loop().run_in_executor(None, self.read_records, 2.0)
 
     async def _serve_blob(self, request: Any, context: Any) -> AsyncIterator[Any]:
         peer = str(context.remote_id)
@@ -404,22 +416,25 @@ class PeerRuntime:
         self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int, attempts: int = 3
     ) -> tuple[int, bytes]:
         """`fetch_async`, retried: a libp2p stream occasionally closes early under load, and one lost payload
-        would leave this peer out of agreement for a round."""
+        would leave this peer out of agreement for a round. The records are read again before a retry: a peer
+        that restarted elsewhere announces its new addresses there."""
         for attempt in range(attempts - 1):
             try:
                 return await self.fetch_async(peer_id, kind, shard, round_, max_size)
             except Exception as e:  # transport errors come in many types; the last attempt raises them
                 logger.info("fetching %s of shard %d from %s failed (%r); retrying", kind, shard, peer_id, e)
                 await asyncio.sleep(0.2 * (attempt + 1))
+                await self._reread_records()
         return await self.fetch_async(peer_id, kind, shard, round_, max_size)
 
     async def fetch_async(self, peer_id: Any, kind: str, shard: int, round_: int, max_size: int) -> tuple[int, bytes]:
-        """Download a blob: (its round, its bytes). From a peer reached through a circuit relay it comes in small
-        pieces and resumes where a reset cut it off, over a fresh circuit: p2pd's relay service resets every relayed
-        connection after 128 KiB each way, whatever its flags say (`RelayDialer`)."""
+        """Download a blob: (its round, its bytes), over a connection dialed at the addresses the peer's record
+        carries (`PeerDialer`). From a peer reached through a circuit relay it comes in small pieces and resumes
+        where a reset cut it off, over a fresh circuit: p2pd's relay service resets every relayed connection after
+        128 KiB each way, whatever its flags say."""
         from hivemind.p2p import P2PHandlerError  # the peer answered with an error: resuming cannot help
 
-        relayed = self.relay_dialer.through_relay(str(peer_id))
+        relayed = self.dialer.through_relay(str(peer_id))
         blob = PartialBlob(str(peer_id), kind, max_size)
         stalls = 0
         while True:
@@ -429,6 +444,7 @@ class PeerRuntime:
             )  # fmt: skip
             before, error = blob.received, None
             try:
+                await self.dialer.dial(str(peer_id))
                 stream = await self.p2p.iterate_protobuf_handler(
                     peer_id, blob_handler_name(self.run_id), request, wire.BlobChunk
                 )
@@ -443,7 +459,6 @@ class PeerRuntime:
                 raise error or ValueError(
                     f"peer {peer_id} sent a truncated {kind} ({blob.received} of {blob.size} bytes)"
                 )
-            await self.relay_dialer.redial(str(peer_id))
 
     def served_since(self, since: float) -> bool:
         """Whether any blob was requested after `since` (monotonic time): others still fetch from us."""
@@ -493,7 +508,7 @@ class PeerRuntime:
         timed = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self._dht_lock)
         if timed is not None:
             self._members, self._members_read = set(timed), time.monotonic()
-            self.relay_dialer.note({pid: record for pid, (record, _) in timed.items()})
+            self.dialer.note({pid: record for pid, (record, _) in timed.items()})
         return timed
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
