@@ -3,6 +3,10 @@
 A command declares parameters annotated with config dataclasses; `expand_dataclass_options` replaces each of
 them with one `--option` per field (help text from the field's ``metadata["help"]``) and rebuilds the
 dataclass instances before calling the command. Configs stay the single source of truth; the CLI follows.
+
+Every such option can also be set by an environment variable, `HETERO_NODE_<FIELD>` (`--round-timeout-s` is
+`HETERO_NODE_ROUND_TIMEOUT_S`; a list takes whitespace-separated values; a flag takes 1/0 or true/false): what
+Docker, compose files and systemd units configure a node with. A command-line value wins over the variable.
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ from typing import Any
 
 import typer
 
+ENV_PREFIX = "HETERO_NODE_"
+
 
 def _option_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable that sets the option of `field_name`."""
+    return ENV_PREFIX + field_name.upper()
 
 
 def _field_parameters(config_type: type) -> list[inspect.Parameter]:
@@ -36,7 +47,9 @@ def _field_parameters(config_type: type) -> list[inspect.Parameter]:
         names = [_option_name(field.name)]
         if hints[field.name] is bool:  # a flag that defaults to on needs its --no- form to be switched off
             names = [f"{names[0]}/--no-{names[0][2:]}"]
-        option = typer.Option(default, *names, help=field.metadata.get("help", ""))
+        option = typer.Option(
+            default, *names, help=field.metadata.get("help", ""), envvar=env_name(field.name), show_envvar=False
+        )
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hints[field.name])
         )
