@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
+.PHONY: venv data demo test test-long docker-test lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -36,6 +36,44 @@ docker-test: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# What a GPU machine that has Python 3.12 with torch, numpy, scipy, typer, rich, safetensors, pyarrow, tokenizers and
+# grpcio lacks, as py3.12 manylinux wheels (pinned to the versions the venv tested; pure-python ones as py3 wheels, built
+# here when only an sdist exists), plus the project's own wheel and the bundled corpus's token cache (about 39 MB
+# together, under the device tool's 64 MiB): `make gpu-check` there then needs no network. Wheels in .whl/, corpus in
+# .cache/hetero-node (both git-ignored: hand them to the GPU machine with the working tree).
+GPU_BINARY_WHEELS := hivemind==1.1.12 pydantic-core==2.50.5 cryptography==50.0.2 cffi==2.1.1 msgpack==1.2.4 \
+	uvloop==0.23.0 PyYAML==6.0.4 psutil==7.2.2 blake3==1.0.11 mmh3==5.3.1 grpcio-tools==1.85.1 \
+	protobuf==7.36.2
+GPU_PURE_WHEELS := pydantic==2.14.4 typing-extensions==4.16.0 typing-inspection==0.4.5 annotated-types==0.8.0 \
+	base58==2.1.1 py-multihash==3.0.0 varint==1.0.2 prefetch_generator==1.0.3 sortedcontainers==2.4.0 \
+	ConfigArgParse==1.9.0 netaddr==1.3.0 idna==3.20 py-cid==0.5.0 py-multibase==2.0.0 py-multicodec==1.0.0 morphys==1.0 \
+	python-baseconv==1.2.2 six==1.17.0 pycparser==3.12 packaging==26.4 prometheus-client==0.26.0 tqdm==4.67.1
+gpu-wheels: venv data
+	mkdir -p .whl
+	for spec in $(GPU_BINARY_WHEELS); do \
+		$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			--platform manylinux1_x86_64 -d .whl $$spec || exit 1; \
+	done
+	$(BIN)/python -m pip wheel --no-deps -w .whl $(GPU_PURE_WHEELS) .
+	rm -rf .cache/hetero-node && mkdir -p .cache/hetero-node
+	cp -r "$$($(BIN)/python -c 'from hetero_node.models.paths import default_cache_dir; print(default_cache_dir())')"/tokens \
+		.cache/hetero-node/  # the token cache alone: the archive is read only to build it
+	du -ch .whl/*.whl .cache/hetero-node | sort -h
+
+# On one GPU: a CUDA member's outer step against a CPU member's, bit for bit (tests/test_outer_devices.py), tokens/s
+# and MFU per preset (compile on and off), and the demo swarm on 178m with and without --overlap (agreement,
+# contributions, utilisation); figures in bench/results/gpu-check. Estimated under 8 min on an H100 (not yet run).
+# Where hivemind is missing, installs .whl/ into /tmp/site first (no network); uses .cache/hetero-node if present.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	if python3 -c "import hivemind, hetero_node" 2>/dev/null; then site=""; else \
+		python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1; site=/tmp/site; fi; \
+	if [ -d .cache/hetero-node ]; then export HETERO_NODE_CACHE="$$PWD/.cache/hetero-node"; fi; \
+	export PYTHONPATH="$$site$${PYTHONPATH:+:$$PYTHONPATH}" PATH="$$site/bin:$$PATH"; \
+	python3 -m pytest -q -p no:cacheprovider tests/test_outer_devices.py && \
+	python3 -m hetero_node.bench.gpu_check --out bench/results/gpu-check $(GPU_CHECK_ARGS)
 
 # The benchmark scenarios (need root: network namespaces, CPU cgroups). hetero: all five methods on 2 datacenter and
 # 2 edge nodes, 3 rounds x H = 10 (about 15 min on 2 cores, most of it ddp's dense all-reduce at 50 Mbit/s);

@@ -103,7 +103,7 @@ def train(run: RunConfig, store: TokenStore, worker: DDPWorkerConfig) -> None:
         for t in range(run.outer.rounds):
             bytes_before, comm_before = sync.bytes, sync.seconds
             start = time.perf_counter()
-            losses = [trainer.train_step(*batches.batch(t * H + i)) for i in range(H)]
+            losses = [float(trainer.train_step(*batches.batch(t * H + i))) for i in range(H)]
             elapsed = time.perf_counter() - start
             comm_s = sync.seconds - comm_before
             round_bytes = sync.bytes - bytes_before

@@ -49,6 +49,9 @@ class TrainConfig:
         default=None, metadata={"help": "Corpus and token cache (default: $HETERO_NODE_CACHE or ~/.cache/hetero-node)."}
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (CUDA when available)."})
+    compile: bool = field(
+        default=True, metadata={"help": "torch.compile the training step on CUDA (CPU always trains eagerly)."}
+    )
 
     def __post_init__(self) -> None:
         require_positive(self, "steps", "batch_size", "seq_len", "eval_every", "eval_batches")
@@ -111,6 +114,9 @@ class NodeConfig:
     eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
+    compile: bool = field(
+        default=True, metadata={"help": "torch.compile a full replica's training step on CUDA (CPU trains eagerly)."}
+    )
     record_refresh_s: float = field(
         default=5.0, metadata={"help": "Re-publish our peer record this often; it expires after 3x this."}
     )

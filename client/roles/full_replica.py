@@ -26,7 +26,7 @@ from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import shard_parameter_names, shard_tensors
 from hetero_node.models.subspace import enable_subspace, subspace_basis
-from hetero_node.models.trainer import InnerTrainer, resolve_device
+from hetero_node.models.trainer import InnerTrainer, compile_wanted, resolve_device
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL
@@ -62,11 +62,14 @@ class FullReplica(Replica):
             enable_subspace(self.model, self.basis.to(self.device))
         names = shard_parameter_names(model_cfg, run.outer.stages)
         self.params = {s: shard_tensors(self.model, shard_names) for s, shard_names in enumerate(names)}
-        self._trainer = InnerTrainer(self.model, run.optim, run.total_inner_steps, self.device)
+        self._trainer = InnerTrainer(
+            self.model, run.optim, run.total_inner_steps, self.device, compile=compile_wanted(node.compile, self.device)
+        )
         self.replica_id = replica_number(node, runtime)
         self.batches = ShardBatches(
             store, self.replica_id % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
         )
+        self._trainer.warm_up(*self.batches.batch(0))  # compile before the first round, not inside its clock
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
         self.eval_s = 0.0
         """How long the last evaluation took (0: none yet)."""
@@ -109,15 +112,20 @@ class FullReplica(Replica):
         if plan.sit_out:
             return None
         t, H = plan.round, self.run_cfg.outer.inner_steps
-        losses: list[float] = []
+        losses: list[Tensor] = []
         compute_s, started, last_check = 0.0, time.perf_counter(), [time.monotonic()]
-        while plan.keep_training(len(losses), get_dht_time(), self.clock.step_s):
+        # a step still running on the device ends about step_s from now: the next one would end a step later
+        while plan.keep_training(
+            len(losses), get_dht_time() + self.trainer.in_flight * self.clock.step_s, self.clock.step_s
+        ):
             if self.stop.is_set():
                 return None
             step_started = time.perf_counter()
             self.trainer.step = t * H + min(len(losses), H - 1)  # the schedule's position is a function of the round
             x, y = self.batches.batch(t * STEP_STRIDE + len(losses))
             losses.append(self.trainer.train_step(x, y))
+            if self.clock.step_s <= 0:  # the run's first step: wait for it, it is about to be timed alone
+                self.trainer.synchronize()
             if self.node.step_delay_s:
                 time.sleep(self.node.step_delay_s)
             step_s = time.perf_counter() - step_started
@@ -125,7 +133,10 @@ class FullReplica(Replica):
             if self.clock.step_s <= 0:  # the first step of the run: a first estimate for the deadline check
                 self.clock.record_speed(1, step_s)
             plan = self.between_steps(plan, last_check)  # may settle an overlapped round: not compute time
-        loss = sum(losses) / len(losses) if losses else None
+        step_started = time.perf_counter()
+        self.trainer.synchronize()  # the last step's device time is compute time too
+        compute_s += time.perf_counter() - step_started
+        loss = sum(torch.stack(losses).tolist()) / len(losses) if losses else None
         tokens = len(losses) * self.run_cfg.batch_size * self.run_cfg.seq_len
         self.announce(
             train_round=t,

@@ -16,7 +16,7 @@ from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, build_token_store, val_batches
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.tokenizer import load_tokenizer
-from hetero_node.models.trainer import InnerTrainer, resolve_device
+from hetero_node.models.trainer import InnerTrainer, compile_wanted, resolve_device
 from hetero_node.models.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ def run_local_training(
     batches = ShardBatches(store, 0, 1, train.batch_size, train.seq_len, train.seed)
     held_out = val_batches(store, train.batch_size, train.seq_len, train.eval_batches)
     model = Transformer(model_cfg, seed=train.seed).to(device)
-    trainer = InnerTrainer(model, optim, total_steps=train.steps, device=device)
+    trainer = InnerTrainer(
+        model, optim, total_steps=train.steps, device=device, compile=compile_wanted(train.compile, device)
+    )
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = train.batch_size * train.seq_len
     logger.info(
@@ -89,6 +91,7 @@ def run_local_training(
     )
 
     start = time.perf_counter()
+    trainer.warm_up(*batches.batch(0))  # compiling is part of the job's wall time, not of its training speed
     history = [(0, trainer.evaluate(held_out))]
     train_time = 0.0
     train_loss = None
@@ -101,9 +104,12 @@ def run_local_training(
     report(0)
     for step in range(1, train.steps + 1):
         step_start = time.perf_counter()
-        train_loss = trainer.train_step(*next(batches))
+        loss = trainer.train_step(*next(batches))
+        due = step % train.eval_every == 0 or step == train.steps
+        if on_progress is not None or due:  # reading the loss waits for the step: only when it is shown
+            train_loss = float(loss)
         train_time += time.perf_counter() - step_start
-        if step % train.eval_every == 0 or step == train.steps:
+        if due:
             history.append((step, trainer.evaluate(held_out)))
             logger.info("step %d: train loss %.4f, eval loss %.4f", step, train_loss, history[-1][1])
         report(step)
