@@ -20,8 +20,8 @@ from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.node.bandwidth import node_bandwidth
 from hetero_node.client.node.capabilities import measure_throughput, probe_hardware
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
+from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.metrics import RoundRecord
-from hetero_node.client.roles.replica import leave_on_signals
 from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
 from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.membership import Membership

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import signal
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -37,6 +35,7 @@ from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
 from hetero_node.client.outer.shard_state import EMBED, FIXED, ShardStates, state_fingerprint
 from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
+from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
 from hetero_node.client.roles.schedule import RoundClock, RoundPlan
 from hetero_node.client.swarm import view
@@ -103,19 +102,6 @@ class Settled:
     outcomes: dict[int, ShardOutcome] = field(default_factory=dict)
     caught_up: str = ""
     catch_up_bytes: int = 0
-
-
-def leave_on_signals(stop: threading.Event) -> None:
-    """Ctrl-C / SIGTERM: leave after the current step, shutting the averagers, DHT and p2pd down (killing only the
-    main process would orphan them). Installed again after the averagers start: hivemind's averager sets SIGINT to
-    ignored in the process that creates it."""
-
-    def request_stop(signum: int, _frame: Any) -> None:
-        logger.warning("signal %d: leaving the swarm", signum)
-        stop.set()
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
 
 
 def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
