@@ -132,6 +132,7 @@ def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_m
         assert swarm.wait("r1", 30) == 0, "SIGTERM to the process group should end the replica cleanly"
         assert time.monotonic() - stopped < 30
         assert group_is_gone(pgid), "a p2pd or averager child outlived the replica"
+        assert "Traceback" not in swarm.log_path("r1").read_text(), "a normal stop printed a traceback"
         saved = read_checkpoint(tmp_path / "r1.ckpt" / CHECKPOINT_NAME)
         saved_ef = ef_fingerprint(tmp_path / "r1.ckpt")
         before = set(rounds_of(tmp_path, 1))
