@@ -87,6 +87,18 @@ def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
     return parsed
 
 
+def join_failure(peers: list[str], error: Exception) -> str:
+    """What to tell a user whose node could not start through `peers`: p2pd says only "Daemon failed to start"
+    when no peer answered, which reads like a local fault."""
+    if "failed to connect to bootstrap peers" not in str(error):
+        return f"could not join the swarm through {peers}: {error}"
+    return (
+        f"no peer answered at {', '.join(peers)}: check that the bootstrap is running, that the address (host, port "
+        "and /p2p/ id) is exactly the line it printed, and that no firewall between here and there blocks that TCP "
+        "port (`hetero-node doctor --peers ...` checks the way)"
+    )
+
+
 MAX_RECORDS = 4096
 """Records of one run a reader takes into account (hivemind answers a DHT get with at most 4 MiB; a record is
 well under 1 KB)."""
@@ -164,6 +176,17 @@ def use_fork_start_method() -> None:
     """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
     state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
     multiprocessing.set_start_method("fork", force=True)
+
+
+def p2pd_alive(dht: Any) -> bool:
+    """Whether the p2p daemon of `dht` (a started `hivemind.DHT`, whose process is p2pd's parent) still runs."""
+    import psutil
+
+    try:
+        children = psutil.Process(dht.pid).children(recursive=True)
+        return any(c.name().startswith("p2pd") and c.status() != psutil.STATUS_ZOMBIE for c in children)
+    except psutil.Error:  # the DHT process (p2pd's parent) is gone, or p2pd went while we looked
+        return False
 
 
 class PartialBlob:
@@ -244,7 +267,7 @@ class PeerRuntime:
                 **(relay_options(relays) if relays else {}),
             )
         except Exception as e:  # hivemind reports unreachable bootstraps as a generic error from its child
-            raise PeerAddressError(f"could not join the swarm through {peers}: {e}") from None
+            raise PeerAddressError(join_failure(peers, e)) from None
         finally:
             if scratch is not None:  # p2pd has read the key by now (or failed): a temporary name leaves no file
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -309,13 +332,7 @@ class PeerRuntime:
     def p2pd_alive(self) -> bool:
         """Whether this node's p2p daemon still runs. hivemind does not notice when it dies: every call just fails,
         and a node would go on training alone, round after round, without a word."""
-        import psutil
-
-        try:
-            children = psutil.Process(self.dht.pid).children(recursive=True)
-            return any(c.name().startswith("p2pd") and c.status() != psutil.STATUS_ZOMBIE for c in children)
-        except psutil.Error:  # the DHT process (p2pd's parent) is gone, or p2pd went while we looked
-            return False
+        return p2pd_alive(self.dht)
 
     def ensure_daemon(self) -> None:
         """Raise `DaemonError` if the p2p daemon died (checked once per round)."""
