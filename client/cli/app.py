@@ -233,12 +233,20 @@ def bootstrap(
     if cfg.metrics_port is None:
         node.serve_forever()
         return
+    from hetero_node.client.monitor.health import Health
     from hetero_node.client.monitor.http_server import open_dashboard
     from hetero_node.client.monitor.snapshot import read_snapshot
-    from hetero_node.client.swarm.runtime import read_peer_records
+    from hetero_node.client.swarm.runtime import p2pd_alive, read_peer_records
 
+    def readiness() -> tuple[bool, str]:
+        if node.announced.is_set():
+            return True, f"bootstrap: announcing run {run.run_id}"
+        return False, "bootstrap: the run announcement is not stored yet"
+
+    health = Health(partial(p2pd_alive, node.dht), readiness)
     records = partial(read_peer_records, node.dht, run.run_id, node.swarm_key, 5.0)
-    with open_dashboard(cfg.host, cfg.metrics_port, partial(read_snapshot, records, run.run_id, run.to_dict())) as web:
+    read = partial(read_snapshot, records, run.run_id, run.to_dict())
+    with open_dashboard(cfg.host, cfg.metrics_port, read, health) as web:
         console.print(f"dashboard: {web.url}  metrics: {web.url}metrics", markup=False, highlight=False)
         node.serve_forever()
 
@@ -247,15 +255,8 @@ def bootstrap(
 @expand_dataclass_options
 def join(
     context: typer.Context,
-    run_options: RunOptions,
-    outer: OuterConfig,
-    optim: OptimConfig,
-    sparseloco: SparseLoCoConfig,
-    pipeline: PipelineConfig,
     node: NodeConfig,
-    relay: RelayConfig,
-    timeouts: SyncTimeouts,
-    config: Path | None = RUN_FILE_OPTION,
+    *,  # keyword-only from here: --help lists options in this order, what a volunteer needs first
     role: Role = typer.Option(
         Role.AUTO, "--role", help="auto (the planner decides), full (whole model) or stage (one pipeline stage)."
     ),
@@ -263,6 +264,14 @@ def join(
     quiet: bool = typer.Option(
         False, "--quiet", help="No live status line: a log line per round instead (as when stdout is not a terminal)."
     ),
+    relay: RelayConfig,
+    timeouts: SyncTimeouts,
+    config: Path | None = RUN_FILE_OPTION,
+    run_options: RunOptions,
+    outer: OuterConfig,
+    optim: OptimConfig,
+    sparseloco: SparseLoCoConfig,
+    pipeline: PipelineConfig,
 ) -> None:
     """Join a swarm: learn its run from the bootstrap, measure this node, take the role that helps most, train."""
     from hetero_node.client.cli.progress import ROUND_LOG, RoundLog
