@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from factories import peer_record, run_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hetero_node.client.swarm.auto_plan import MarginalGain, auto_plan, count_grid, live_assignment, requirements
 from hetero_node.client.swarm.cost_model import (
@@ -363,3 +365,28 @@ def test_bench_exchange_counts_only_rounds_a_replica_got_from_its_group() -> Non
     out = render_markdown({"rows": [row]})
     assert "--max-contributors 4" in out
     assert "| 8 | 26.0 | 7–8 | 90.0 / 104.0 (6) | 95.0 / 180.0 | 90.0 | 91.0 | 182.0 | 45.5 |" in out
+
+
+EXTREME_LINKS = [0.0, 1e-9, 0.02, 8.0, 1e6]
+EXTREME_SPEEDS = [0.0, 1e-6, 5.0, 5e4, 1e9]
+
+
+@given(st.data())
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_live_planner_never_crashes_on_schema_valid_extremes(data: st.DataObject) -> None:
+    """A record advertising 0 Mbit/s made every joiner's cost-model judge divide by zero (a node whose bandwidth
+    probe fails advertises exactly that): links and speeds from 0 to absurd, in every role, plan without raising."""
+    n = data.draw(st.integers(1, 12))
+    peers = [
+        PeerInfo(
+            f"p{i:02d}",
+            data.draw(st.sampled_from([0, 1, 8, 16, 64])) * GB,
+            data.draw(st.sampled_from(EXTREME_LINKS)),
+            data.draw(st.sampled_from(EXTREME_LINKS)),
+            data.draw(st.sampled_from(EXTREME_SPEEDS)),
+            role=data.draw(st.sampled_from([ROLE_FULL, "joining", "joining"])),
+        )
+        for i in range(n)
+    ]
+    result = plan(peers, requirements(SHAPE), MarginalGain(SHAPE, LinkModel()))
+    assert set(result.roles) == {p.peer_id for p in peers}

@@ -218,10 +218,15 @@ class RoundPrediction:
         return max((max(n.bytes_up, n.bytes_down) for n in self.nodes.values()), default=0.0)
 
 
+MIN_LINK_MBPS = 1e-3
+"""A link advertised as 0 Mbit/s (a node whose bandwidth probe failed says exactly that) is priced at 1 kbit/s: slow
+enough to place nothing on it, and no division by zero for every joiner that reads its record (trust review)."""
+
+
 def _transfer_s(nbytes_up: float, nbytes_down: float, peer: PeerInfo) -> float:
     """Seconds to move both directions at once over the node's link (the slower direction decides)."""
-    up = nbytes_up * 8 / (peer.upload_mbps * 1e6) if nbytes_up else 0.0
-    down = nbytes_down * 8 / (peer.download_mbps * 1e6) if nbytes_down else 0.0
+    up = nbytes_up * 8 / (max(peer.upload_mbps, MIN_LINK_MBPS) * 1e6) if nbytes_up else 0.0
+    down = nbytes_down * 8 / (max(peer.download_mbps, MIN_LINK_MBPS) * 1e6) if nbytes_down else 0.0
     return max(up, down)
 
 
