@@ -39,8 +39,13 @@ USER hetero
 
 # Identity, checkpoints and the cache. A named volume starts as a copy of the image's /data (corpus included).
 VOLUME /data
-# The P2P port of the README's docker example.
-EXPOSE 31337
+# The P2P port of the README's docker example, and the HTTP port where `bootstrap` and `join` serve /metrics, /healthz
+# and /readyz (HETERO_NODE_METRICS_PORT is their --metrics-port: change the port with it, so the check below follows).
+ENV HETERO_NODE_METRICS_PORT=9100
+EXPOSE 31337 9100
+# Healthy while the node's p2p daemon runs (/healthz). The start period covers reading the run and loading the data,
+# before a joining node serves HTTP. Commands that serve nothing (--help, train, data) report unhealthy.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=300s --retries=3 CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('HETERO_NODE_METRICS_PORT', '9100') + '/healthz', timeout=8)"]
 
 ENTRYPOINT ["hetero-node"]
 CMD ["--help"]

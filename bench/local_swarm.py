@@ -109,9 +109,11 @@ class LocalSwarm:
         args: list[str],
         program: list[str] | None = None,
         preexec_fn: Callable[[], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> subprocess.Popen:
         """Run `hetero-node ARGS` (or `PROGRAM ARGS`) as peer `name`, output to `<workdir>/<name>.log`;
-        `preexec_fn` runs in the child first (e.g. to enter a CPU cgroup)."""
+        `preexec_fn` runs in the child first (e.g. to enter a CPU cgroup); `env` adds variables for this peer only
+        (a deployment's HETERO_NODE_* configuration)."""
         argv = [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args]
         if self.lab is not None:  # `ip netns exec` execs the command: the pid and process group stay the peer's
             argv = ["ip", "netns", "exec", self._lab_node(name).namespace, *argv]
@@ -120,7 +122,7 @@ class LocalSwarm:
             argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            env={**self.env, **(env or {})},
             start_new_session=True,
             preexec_fn=preexec_fn,
         )
@@ -133,17 +135,21 @@ class LocalSwarm:
         once it printed the join line."""
         identity = self.workdir / "bootstrap.id"
         command = ["bootstrap", "--host", self.host("bootstrap"), "--port", "0", "--identity", str(identity), *run_args]
-        process = self.start("bootstrap", command)
+        self.start("bootstrap", command)
+        self.bootstrap_maddr = self.join_line("bootstrap", timeout)
+        return self.bootstrap_maddr
+
+    def join_line(self, name: str, timeout: float = 90.0) -> str:
+        """The multiaddr bootstrap `name` prints in its join line, once it did."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = JOIN_LINE.search(self.log_path("bootstrap").read_text())
+            match = JOIN_LINE.search(self.log_path(name).read_text())
             if match:
-                self.bootstrap_maddr = match.group(1)
-                return self.bootstrap_maddr
-            if process.poll() is not None:
+                return match.group(1)
+            if self.processes[name].poll() is not None:
                 break
             time.sleep(0.2)
-        raise HeteroNodeError(f"bootstrap did not start; see {self.log_path('bootstrap')}")
+        raise HeteroNodeError(f"{name} did not start; see {self.log_path(name)}")
 
     def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         """Signal a peer's whole process group, wait, and SIGKILL the group if it does not exit in time."""

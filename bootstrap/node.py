@@ -9,8 +9,10 @@ malformed record is not even stored here.
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing
+import socket
 import threading
 from functools import partial
 from importlib.metadata import version
@@ -33,6 +35,26 @@ logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
 
 
+def require_free_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before anything is created. p2pd binds with SO_REUSEPORT, so a
+    second bootstrap on a taken port would start without a word and share it with the first, each answering some
+    of the joiners; a plain socket's bind fails instead (SO_REUSEADDR: a restart may bind over the connections its
+    last run left in TIME_WAIT)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PeerAddressError(
+                    f"port {port} on {host} is already in use by another process (another bootstrap?): "
+                    "stop it or give this one another --port"
+                ) from None
+            raise PeerAddressError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 class BootstrapNode:
     """Runs the DHT until `stop` is set; see the module docstring."""
 
@@ -47,6 +69,7 @@ class BootstrapNode:
             announce = [f"/{proto}/{cfg.announce}/tcp/{cfg.port}"]
         self.swarm_key = swarm_key = load_swarm_key(cfg.swarm_key)
         private = [] if swarm_key is None else [MemberProofValidator(swarm_key, peers_key(run.run_id))]
+        require_free_port(cfg.host, cfg.port)
         fresh = not cfg.identity.exists()
         if fresh:
             create_identity(cfg.identity)
@@ -76,6 +99,8 @@ class BootstrapNode:
         ).dict()
         self.dht.run_coroutine(partial(_serve_requests, public_key=self.signer.local_public_key, run_id=run.run_id))
         self.stop = threading.Event()
+        self.announced = threading.Event()
+        """Set once the run announcement is stored: joiners can learn the run here (`/readyz`)."""
 
     @property
     def join_addresses(self) -> list[str]:
@@ -98,10 +123,13 @@ class BootstrapNode:
     def serve_forever(self) -> None:
         """Publish and refresh until stopped; always shuts the DHT (and its p2pd) down."""
         try:
-            if not self.publish_run():
+            if self.publish_run():
+                self.announced.set()
+            else:
                 logger.warning("storing the run announcement failed; retrying at the next heartbeat")
             while not self.stop.wait(self.cfg.heartbeat_s):
-                self.publish_run()
+                if self.publish_run():
+                    self.announced.set()
                 peers = self.dht.run_coroutine(_refresh_routing_table)
                 logger.info("bootstrap %s alive, %d peers in the routing table", self.dht.peer_id, peers)
         finally:

@@ -11,7 +11,7 @@ from hetero_node.models.paths import default_cache_dir
 from hetero_node.protocol.errors import DataError
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a module's live swarm needs it too
 def bundled_cache_dir() -> Path:
     """The cache directory holding the verified bundled corpus ($HETERO_NODE_CACHE honoured); tests never
     download, so without it the test is skipped with the command that fetches it."""

@@ -165,6 +165,12 @@ def test_bootstrap_and_two_joins_in_containers_agree(image: str) -> None:
         print(f"docker test: round {t}: fingerprints agree {replicas[0][t]['fingerprints']}")
     assert any(r[t]["contributors"] == 2 for r in replicas for t in range(ROUNDS)), replicas
 
+    # The image's HEALTHCHECK asks the bootstrap's /healthz on the metrics port the image sets by default.
+    deadline = time.monotonic() + 120
+    while (health := inspect(boot)["State"]["Health"])["Status"] != "healthy" and time.monotonic() < deadline:
+        time.sleep(2.0)
+    assert health["Status"] == "healthy", health
+
     # Non-root and /data a volume: every container; the still running bootstrap's process itself too.
     for name in names.values():
         assert_non_root_with_data_volume(name)

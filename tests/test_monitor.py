@@ -25,6 +25,7 @@ from swarm_helpers import join_args, rounds_of, run_args
 from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
 from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.monitor.health import DAEMON_GONE, Health
 from hetero_node.client.monitor.http_server import MonitorServer, open_dashboard
 from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.monitor.snapshot import swarm_snapshot
@@ -114,6 +115,38 @@ def test_a_fresh_node_reports_unknown_losses_as_nan_and_a_busy_port_is_a_clear_e
             MonitorServer("127.0.0.1", port, metrics.registry)
     finally:
         server.close()
+
+
+def probe(url: str) -> tuple[int, str]:
+    """(HTTP status, body) of a health endpoint; a 503 is an answer here, not an error."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_healthz_follows_the_daemon_and_readyz_waits_for_a_role_and_a_round() -> None:
+    metrics = NodeMetrics("ab" * 8, "0.1.0")
+    daemon = {"alive": True}
+    server = MonitorServer("127.0.0.1", 0, metrics.registry, health=Health(lambda: daemon["alive"], metrics.readiness))
+    try:
+        assert probe(server.url + "healthz") == (200, "alive\n")
+        assert probe(server.url + "readyz") == (503, "joining: measuring this node and choosing a role\n")
+        metrics.set_role("full")
+        assert probe(server.url + "readyz") == (503, "full: no round finished yet\n")
+        metrics.observe_round(record(4))
+        assert probe(server.url + "readyz?verbose") == (200, "full: round 4 finished\n")
+        daemon["alive"] = False  # p2pd died: not alive, and not ready however many rounds it finished
+        assert probe(server.url + "healthz") == (503, DAEMON_GONE + "\n")
+        assert probe(server.url + "readyz") == (503, DAEMON_GONE + "\n")
+    finally:
+        server.close()
+    plain = MonitorServer("127.0.0.1", 0, metrics.registry)  # a server told nothing of health has no such routes
+    try:
+        assert probe(plain.url + "healthz")[0] == 404
+    finally:
+        plain.close()
 
 
 # -------------------------------------------------------------------------------- the dashboard's data
@@ -253,6 +286,11 @@ def test_live_nodes_export_their_rounds_and_the_bootstrap_the_swarm(live: LiveSw
         assert values[("hetero_node_peers_seen", ())] >= 2
         info = [dict(labels) for name, labels in values if name == "hetero_node_node_info"]
         assert [(i["role"], i["run_id"]) for i in info] == [("full", run_id)]
+        assert probe(live.urls[name] + "healthz") == (200, "alive\n")  # its real p2pd, found by process
+        status, why = probe(live.urls[name] + "readyz")
+        assert status == 200 and re.fullmatch(r"full: round \d+ finished\n", why), (status, why)
+    assert probe(live.urls["bootstrap"] + "healthz") == (200, "alive\n")
+    assert probe(live.urls["bootstrap"] + "readyz") == (200, f"bootstrap: announcing run {run_id}\n")
     state = read_until(
         lambda: _json(live.urls["bootstrap"] + "api/swarm"),
         lambda s: (

@@ -1,5 +1,6 @@
-"""One small HTTP server per node for what operators read: `/metrics` (Prometheus text format) always, and where
-the node watches the swarm, `/` (the dashboard page) and `/api/swarm` (the JSON it polls).
+"""One small HTTP server per node for what operators read: `/metrics` (Prometheus text format) always, `/healthz`
+and `/readyz` for supervisors where the node says how to answer them (`health.py`), and where the node watches the
+swarm, `/` (the dashboard page) and `/api/swarm` (the JSON it polls).
 
 Standard library only (`ThreadingHTTPServer` in a daemon thread): nothing here is on the training path, and a
 slow or hostile client costs one thread, never a round. Everything served is read-only.
@@ -20,26 +21,52 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from hetero_node.client.monitor.health import Check, Health
 from hetero_node.client.monitor.node_metrics import NAMESPACE
 from hetero_node.client.monitor.swarm_watch import SwarmWatcher
 from hetero_node.protocol.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+Route = Callable[[], tuple[HTTPStatus, str, bytes]]
+"""(status, content type, body) of a GET."""
+TEXT = "text/plain; charset=utf-8"
 
 
 def dashboard_page() -> bytes:
     return files("hetero_node.client.monitor").joinpath("dashboard.html").read_bytes()
 
 
-class MonitorServer:
-    """Serves `registry` at /metrics and, with a `watcher`, the dashboard; `close()` stops it."""
+def probe(check: Check) -> Route:
+    """A health check as a route: 200 or 503 (Service Unavailable, what supervisors and load balancers expect), and
+    the check's line as the body."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, watcher: SwarmWatcher | None = None) -> None:
-        routes: dict[str, Any] = {"/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry))}
+    def route() -> tuple[HTTPStatus, str, bytes]:
+        ok, why = check()
+        return (HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE), TEXT, f"{why}\n".encode()
+
+    return route
+
+
+class MonitorServer:
+    """Serves `registry` at /metrics, with `health` /healthz and /readyz, with a `watcher` the dashboard; `close()`
+    stops it."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        watcher: SwarmWatcher | None = None,
+        health: Health | None = None,
+    ) -> None:
+        routes: dict[str, Route] = {"/metrics": lambda: (HTTPStatus.OK, CONTENT_TYPE_LATEST, generate_latest(registry))}
+        if health is not None:
+            routes["/healthz"] = probe(health.healthz)
+            routes["/readyz"] = probe(health.readyz)
         if watcher is not None:
             page = dashboard_page()
-            routes["/"] = lambda: ("text/html; charset=utf-8", page)
-            routes["/api/swarm"] = lambda: ("application/json", json.dumps(watcher.state()).encode())
+            routes["/"] = lambda: (HTTPStatus.OK, "text/html; charset=utf-8", page)
+            routes["/api/swarm"] = lambda: (HTTPStatus.OK, "application/json", json.dumps(watcher.state()).encode())
         try:
             self.httpd = ThreadingHTTPServer((host, port), _handler(routes))
         except OSError as e:
@@ -59,14 +86,16 @@ class MonitorServer:
 
 
 @contextlib.contextmanager
-def open_dashboard(host: str, port: int, read: Callable[[], dict[str, Any] | None]) -> Iterator[MonitorServer]:
+def open_dashboard(
+    host: str, port: int, read: Callable[[], dict[str, Any] | None], health: Health | None = None
+) -> Iterator[MonitorServer]:
     """The dashboard and the swarm gauges, from snapshots `read` returns (polled in a thread), while in the block."""
     watcher = SwarmWatcher(read).start()
     registry = CollectorRegistry()
     ProcessCollector(namespace=NAMESPACE, registry=registry)
     registry.register(watcher)
     try:
-        server = MonitorServer(host, port, registry, watcher)
+        server = MonitorServer(host, port, registry, watcher, health)
         try:
             yield server
         finally:
@@ -75,15 +104,15 @@ def open_dashboard(host: str, port: int, read: Callable[[], dict[str, Any] | Non
         watcher.close()
 
 
-def _handler(routes: dict[str, Any]) -> type[BaseHTTPRequestHandler]:
+def _handler(routes: dict[str, Route]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             route = routes.get(self.path.split("?", 1)[0])
             if route is None:
                 self.send_error(HTTPStatus.NOT_FOUND)
                 return
-            content_type, body = route()
-            self.send_response(HTTPStatus.OK)
+            status, content_type, body = route()
+            self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCollector
 
 from hetero_node.client.roles.metrics import RoundRecord
+from hetero_node.protocol.roles import ROLE_JOINING
 
 NAMESPACE = "hetero_node"
 TRAFFIC = ("outer", "boundary")
@@ -29,7 +30,10 @@ class NodeMetrics:
         metric = {"namespace": NAMESPACE, "registry": self.registry}
         self.info = Info("node", "The run this node trains and its role.", **metric)
         self.identity = {"run_id": run_id, "version": version}
-        self.set_role("joining")
+        self.role = ROLE_JOINING
+        self.last_round: int | None = None
+        """The last round this node finished or caught up to (None: none yet): what `/readyz` waits for."""
+        self.set_role(ROLE_JOINING)
         self.round = Gauge("round", "Last finished outer round.", **metric)
         self.inner_steps = Counter("inner_steps", "Inner optimizer steps trained.", **metric)
         self.tokens = Counter("tokens", "Tokens trained.", **metric)
@@ -64,9 +68,19 @@ class NodeMetrics:
         self.peers_seen.set_function(count)
 
     def set_role(self, role: str) -> None:
+        self.role = role
         self.info.info({**self.identity, "role": role})
 
+    def readiness(self) -> tuple[bool, str]:
+        """`/readyz`: ready once this node holds a role and has a round behind it (see `health.py`)."""
+        if self.role == ROLE_JOINING:
+            return False, "joining: measuring this node and choosing a role"
+        if self.last_round is None:
+            return False, f"{self.role}: no round finished yet"
+        return True, f"{self.role}: round {self.last_round} finished"
+
     def observe_round(self, record: RoundRecord) -> None:
+        self.last_round = record.round
         self.round.set(record.round)
         self.inner_steps.inc(record.inner_steps)
         self.tokens.inc(record.tokens)

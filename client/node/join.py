@@ -15,6 +15,7 @@ from importlib.metadata import version
 from typing import Any
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.monitor.health import Health
 from hetero_node.client.monitor.http_server import MonitorServer
 from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.node.bandwidth import node_bandwidth
@@ -100,12 +101,15 @@ def role_for_run(run: RunConfig, requested_role: str) -> str:
 def serve_node_metrics(
     stack: contextlib.ExitStack, node: NodeConfig, run: RunConfig, runtime: PeerRuntime
 ) -> NodeMetrics | None:
-    """With --metrics-port: this node's Prometheus metrics on node.host, until `stack` closes."""
+    """With --metrics-port: this node's Prometheus metrics, /healthz and /readyz on node.host, until `stack`
+    closes."""
     if node.metrics_port is None:
         return None
     metrics = NodeMetrics(run.run_id, version("hetero-node"))
     metrics.watch_peers(lambda: runtime.peers_seen)
-    server = MonitorServer(node.host, node.metrics_port, metrics.registry)
+    server = MonitorServer(
+        node.host, node.metrics_port, metrics.registry, health=Health(runtime.p2pd_alive, metrics.readiness)
+    )
     stack.callback(server.close)
     logger.info("Prometheus metrics at %smetrics", server.url)
     return metrics

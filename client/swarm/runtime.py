@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hetero_node.client.swarm.reachability import PeerDialer, relay_addresses
-from hetero_node.protocol.errors import DaemonError, PayloadError, PeerAddressError
+from hetero_node.protocol.errors import ConfigError, DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
@@ -96,6 +96,22 @@ def join_failure(peers: list[str], error: Exception) -> str:
         f"no peer answered at {', '.join(peers)}: check that the bootstrap is running, that the address (host, port "
         "and /p2p/ id) is exactly the line it printed, and that no firewall between here and there blocks that TCP "
         "port (`hetero-node doctor --peers ...` checks the way)"
+    )
+
+
+IDENTITY_TAKEN = "is already taken by another peer"
+"""How hivemind's check_if_identity_free says that a live peer of the swarm answers to this key's peer id."""
+
+
+def identity_taken(identity: Path) -> str:
+    """Why a second node with a live node's key is refused: one peer id for two nodes would have each overwrite the
+    other's record (and pipeline slot) in everyone's view."""
+    from hivemind.p2p import PeerID
+
+    peer = PeerID.from_identity(identity.read_bytes())
+    return (
+        f"{identity}: a node with this identity (peer id {peer}) is already live in the swarm; stop it first, "
+        "or give this node an --identity (or --checkpoint-dir) of its own"
     )
 
 
@@ -267,6 +283,8 @@ class PeerRuntime:
                 **(relay_options(relays) if relays else {}),
             )
         except Exception as e:  # hivemind reports unreachable bootstraps as a generic error from its child
+            if IDENTITY_TAKEN in str(e):
+                raise ConfigError(identity_taken(identity)) from None
             raise PeerAddressError(join_failure(peers, e)) from None
         finally:
             if scratch is not None:  # p2pd has read the key by now (or failed): a temporary name leaves no file
