@@ -92,7 +92,7 @@ class PeerRecord(pydantic.BaseModel):
     earliest."""
     step_s: confloat(strict=True, ge=0, le=1e5)  # type: ignore[valid-type]
     """Seconds this replica takes per inner step, as last measured (0: unknown); sets the round length."""
-    overhead_s: confloat(strict=True, ge=0, le=1e5) = 0.0  # type: ignore[valid-type]
+    overhead_s: confloat(strict=True, ge=0, le=1e5)  # type: ignore[valid-type]
     """Seconds a round costs this replica outside its training (exchange, outer step, catch-up), as last measured
     (0: unknown); with `step_s` it sets the round length (`roles/schedule.py`)."""
     loss: confloat(strict=True, ge=0, le=1e4) | None  # type: ignore[valid-type]

@@ -66,9 +66,10 @@ def write_checkpoint(
 ) -> Path:
     replica = SimpleNamespace(
         node=SimpleNamespace(checkpoint_dir=directory), run_cfg=run, round=round_, slot=lambda: slot,
-        module=module, trainer=SimpleNamespace(state_dict=dict), syncs={}, checkpoint_extras=dict,
+        module=module, trainer=SimpleNamespace(state_dict=dict), syncs={}, checkpoint_extras=dict, checkpoints=None,
     )  # fmt: skip
     Replica.checkpoint(replica)  # type: ignore[arg-type]
+    replica.checkpoints.close()  # written in the background: on disk once the writer is closed, as when a node exits
     return directory
 
 

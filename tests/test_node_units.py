@@ -174,7 +174,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_leaves_no_temporary_file(
 
 @pytest.mark.parametrize("bad", ["garbage", "/ip4/127.0.0.1/tcp/31337", "/ip4/999.0.0.1/tcp/1/p2p/x", ""])
 def test_malformed_peer_addresses_are_refused(bad: str) -> None:
-    with pytest.raises(PeerAddressError, match="multiaddr"):
+    with pytest.raises(PeerAddressError, match=r"is not a peer multiaddr|lacks the /p2p/<peer id> part"):
         parse_peer_multiaddrs([bad])
     assert parse_peer_multiaddrs([PEER]) == [PEER]
 
@@ -188,7 +188,7 @@ def test_join_with_a_bad_address_fails_fast_with_one_line(tmp_path: Path) -> Non
         timeout=120,
     )
     assert result.returncode == 1
-    assert "error:" in result.stderr and "is not a peer multiaddr" in result.stderr
+    assert "error: '/ip4/1.2.3.4/tcp/5' lacks the /p2p/<peer id> part" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 60
 
@@ -210,7 +210,9 @@ def test_join_through_an_unreachable_bootstrap_is_a_clear_error() -> None:
         timeout=180,
     )
     assert result.returncode == 1
-    assert "could not join the swarm" in result.stderr and "Traceback" not in result.stderr
+    said = f"error: no peer answered at {PEER.replace('31337', '1')}: check that the bootstrap is running"
+    assert said in result.stderr
+    assert "Daemon failed to start" not in result.stderr and "Traceback" not in result.stderr
 
 
 def test_status_view_shows_peers_missing_stages_and_agreement() -> None:

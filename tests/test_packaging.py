@@ -67,7 +67,7 @@ def test_docker_entrypoint_is_the_console_script_the_readme_runs() -> None:
     assert command in typer.main.get_command(app).commands
 
     exposed = {args for i, args in dockerfile() if i == "EXPOSE"}
-    assert exposed == {"31337"} and "-p 31337:31337" in section
+    assert exposed == {"31337 9100"} and "-p 31337:31337" in section  # p2p, and metrics with /healthz
 
 
 def test_docker_bakes_the_corpus_where_the_cache_variable_points() -> None:

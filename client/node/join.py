@@ -78,6 +78,7 @@ def _initial_record(
         train_round=-1,
         deadline=0.0,
         step_s=round(step_s, 4),
+        overhead_s=0.0,
         loss=None,
         fingerprints={},
         view="",
