@@ -80,4 +80,3 @@ def test_the_round_log_writes_one_line_per_round_and_a_summary_even_at_the_defau
         "round 4: 4 steps, loss -, 1 contributors (caught up from state), 1,500 bytes sent, 2,500 received, 1.8 s",
         "left the swarm after 2 rounds (1 contributed): 8 steps, last loss 4.250, 3,000 bytes sent, 5,000 received",
     ]
-
