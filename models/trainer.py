@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -104,12 +104,13 @@ class InnerTrainer:
             logits = self.model(x)
         return token_loss(logits, y)
 
-    def _forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
-        """The batch's loss, its gradients accumulated; falls back to eager (once, for good) if compiling fails."""
+    def _forward_backward(self, x: Tensor, y: Tensor, scale: float = 1.0) -> Tensor:
+        """The batch's loss, `scale` × its gradients accumulated; falls back to eager (once, for good) if compiling
+        fails."""
         if self._compiled_loss is not None:
             try:
                 loss = self._compiled_loss(x, y)
-                loss.backward()
+                (loss if scale == 1.0 else loss * scale).backward()
                 return loss.detach()
             except torch.OutOfMemoryError:
                 raise
@@ -118,7 +119,7 @@ class InnerTrainer:
                 self._compiled_loss = None
                 self.optimizer.zero_grad(set_to_none=True)  # a backward may have failed halfway
         loss = self._eager_loss(x, y)
-        loss.backward()
+        (loss if scale == 1.0 else loss * scale).backward()
         return loss.detach()
 
     def warm_up(self, x: Tensor, y: Tensor) -> None:
@@ -136,13 +137,17 @@ class InnerTrainer:
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         """One AdamW step on a batch of token ids; returns the batch's mean cross-entropy as a 0-d device tensor
         (reading it, e.g. `float(loss)`, waits for the step: callers do that only when they log or record)."""
+        return self.train_accumulated([(x, y)])
+
+    def train_accumulated(self, batches: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """One AdamW step on the mean gradient of several batches (one batch as `train_step`): a bigger step from
+        the same memory. Returns their mean loss as a 0-d device tensor."""
         self.model.train()
-        x, y = x.to(self.device), y.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(x, y)
+        losses = [self._forward_backward(x.to(self.device), y.to(self.device), 1 / len(batches)) for x, y in batches]
         self.optimizer_step()
         self._pace()
-        return loss
+        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     def _pace(self) -> None:
         """Wait for the previous step (not this one): at most one step queued ahead of the device."""

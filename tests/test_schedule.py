@@ -13,7 +13,13 @@ ME = peer_id("me")
 
 
 def clock(cadence: bool = False, **outer: object) -> RoundClock:
-    return RoundClock(OuterConfig(inner_steps=10, **outer), matchmaking_s=2.0, straggler_fraction=0.5, cadence=cadence)
+    return RoundClock(
+        OuterConfig(inner_steps=10, **outer),
+        matchmaking_s=2.0,
+        straggler_fraction=0.5,
+        cadence=cadence,
+        accumulate=True,
+    )
 
 
 def replica(name: str, round_: int = 4, train_round: int = 4, deadline: float = 0.0, step_s: float = 0.0):
@@ -114,3 +120,17 @@ def test_a_replica_folds_its_own_measured_overhead_into_the_round_length() -> No
     mine.record_overhead(3.0)  # EMA: 2.0
     assert mine.overhead_s == pytest.approx(2.0)
     assert mine.round_length(records) == pytest.approx(2.0 * 9)
+
+
+def test_a_stretched_round_makes_a_full_replicas_steps_bigger_not_more() -> None:
+    """L = 18 s where H steps of the fastest replica take 1 s: each inner step accumulates 18 batches, so the
+    fastest trains about H steps (the lab: more steps per round cost far more per token than bigger ones)."""
+    records = {pid: r.copy(update={"overhead_s": 2.0}) for pid, r in [replica("a", step_s=0.1)]}
+    plan = clock().plan(4, records, ME, now=1000.0)
+    assert plan.length_s == pytest.approx(18.0) and plan.accumulation == 18
+    assert plan.keep_training(9, now=1000.0 + 9 * 1.8, step_s=0.1)  # a step of 18 batches: 1.8 s
+    assert not plan.keep_training(10, now=1000.0 + 16.3, step_s=0.1)
+    stages = RoundClock(OuterConfig(inner_steps=10), 2.0, 0.5, cadence=False, accumulate=False)
+    assert stages.plan(4, records, ME, now=1000.0).accumulation == 1  # a pipeline stage fills it with steps
+    assert clock(round_s=18.0).plan(4, records, ME, now=1000.0).accumulation == 1  # an explicit length: steps
+    assert clock().plan(4, dict([replica("a", step_s=0.1)]), ME, now=1000.0).accumulation == 1  # not stretched

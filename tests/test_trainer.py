@@ -114,3 +114,20 @@ def test_a_failing_compile_leaves_the_trainer_eager_with_one_warning(
 def test_compile_is_for_cuda_only() -> None:
     assert compile_wanted(True, torch.device("cuda")) and compile_wanted(True, torch.device("cuda:1"))
     assert not compile_wanted(True, CPU) and not compile_wanted(False, torch.device("cuda"))
+
+
+def test_an_accumulated_step_is_the_step_on_all_its_batches_at_once() -> None:
+    """A stretched round's bigger steps: k batches accumulated give the step one batch k times as large gives (the
+    same mean gradient, up to the order of float sums), and their mean loss."""
+    parts = batches(3)
+    whole = (torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+    accumulated, at_once = model(), model()
+    first = InnerTrainer(accumulated, OPTIM, total_steps=10, device=CPU)
+    second = InnerTrainer(at_once, OPTIM, total_steps=10, device=CPU)
+    for _ in range(2):
+        loss = first.train_accumulated(parts)
+        expected = second.train_step(*whole)
+        assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    for a, b in zip(accumulated.parameters(), at_once.parameters(), strict=True):
+        assert (a - b).abs().max() < 1e-5  # Adam amplifies float-order differences in near-zero gradients a little
+    assert not all(torch.equal(a, b) for a, b in zip(accumulated.parameters(), model().parameters(), strict=True))

@@ -43,6 +43,8 @@ def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
 class FullReplica(Replica):
     """See the module docstring."""
 
+    accumulates = True
+
     def __init__(
         self,
         run: RunConfig,
@@ -106,44 +108,45 @@ class FullReplica(Replica):
     # ---------------------------------------------------------------------------------------------- training
 
     def train(self, plan: RoundPlan) -> Trained | None:
-        """Inner AdamW steps on our data shard until the plan says stop; the LR schedule advances H per round."""
+        """Inner AdamW steps on our data shard until the plan says stop, each accumulating `plan.accumulation`
+        batches; the LR schedule advances H per round."""
         from hivemind.utils import get_dht_time
 
         if plan.sit_out:
             return None
-        t, H = plan.round, self.run_cfg.outer.inner_steps
+        t, H, a = plan.round, self.run_cfg.outer.inner_steps, plan.accumulation
         losses: list[Tensor] = []
         compute_s, started, last_check = 0.0, time.perf_counter(), [time.monotonic()]
-        # a step still running on the device ends about step_s from now: the next one would end a step later
+        # a step still running on the device ends about a step from now: the next one would end a step later
         while plan.keep_training(
-            len(losses), get_dht_time() + self.trainer.in_flight * self.clock.step_s, self.clock.step_s
+            len(losses), get_dht_time() + self.trainer.in_flight * a * self.clock.step_s, self.clock.step_s
         ):
             if self.stop.is_set():
                 return None
             step_started = time.perf_counter()
             self.trainer.step = t * H + min(len(losses), H - 1)  # the schedule's position is a function of the round
-            x, y = self.batches.batch(t * STEP_STRIDE + len(losses))
-            losses.append(self.trainer.train_step(x, y))
+            first = t * STEP_STRIDE + len(losses) * a
+            losses.append(self.trainer.train_accumulated([self.batches.batch(first + j) for j in range(a)]))
             if self.clock.step_s <= 0:  # the run's first step: wait for it, it is about to be timed alone
                 self.trainer.synchronize()
             if self.node.step_delay_s:
-                time.sleep(self.node.step_delay_s)
+                time.sleep(self.node.step_delay_s * a)
             step_s = time.perf_counter() - step_started
             compute_s += step_s
             if self.clock.step_s <= 0:  # the first step of the run: a first estimate for the deadline check
-                self.clock.record_speed(1, step_s)
+                self.clock.record_speed(a, step_s)
             plan = self.between_steps(plan, last_check)  # may settle an overlapped round: not compute time
         step_started = time.perf_counter()
         self.trainer.synchronize()  # the last step's device time is compute time too
         compute_s += time.perf_counter() - step_started
         loss = sum(torch.stack(losses).tolist()) / len(losses) if losses else None
-        tokens = len(losses) * self.run_cfg.batch_size * self.run_cfg.seq_len
+        tokens = len(losses) * a * self.run_cfg.batch_size * self.run_cfg.seq_len
         self.announce(
             train_round=t,
             loss=loss if loss is not None and math.isfinite(loss) else None,
             tokens_per_s=round(tokens / max(compute_s, 1e-9), 1),
         )
-        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started)
+        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a)
 
     def upkeep(self, new_round: int) -> bool:
         """After our own outer step: move the embedding's drift into T_fixed, as every peer of the run does."""

@@ -70,6 +70,8 @@ class RoundRecord:
     overhead_s: float = 0.0
     """What a round costs this replica outside training, as its clock estimates it (exchange, outer step,
     catch-up, planning: the time between the end of one round's training and the start of the next's)."""
+    accumulation: int = 1
+    """Batches each inner step accumulated (more than 1 in a round stretched for a fast device)."""
     ended_at: float = 0.0
     """Wall-clock (Unix) time the record was written: compute utilisation is Σ compute_s over the time between two
     records."""

@@ -72,6 +72,8 @@ class Trained:
     """Time in inner steps."""
     window_s: float
     """Wall time of the training loop, what happens between steps included: the round length a step costs."""
+    accumulation: int = 1
+    """Batches each inner step accumulated."""
 
 
 @dataclass
@@ -113,6 +115,10 @@ def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
 class Replica(ABC):
     """A replica's life in the swarm (see the module docstring); `run()` blocks until the run ends."""
 
+    accumulates = False
+    """A round stretched past H steps (`roles/schedule.py`) makes this role's inner steps bigger, accumulating
+    batches (full replicas), rather than more (pipeline stages)."""
+
     def __init__(
         self,
         run: RunConfig,
@@ -127,7 +133,9 @@ class Replica(ABC):
         self.me = str(runtime.peer_id)
         self.overlap = overlap
         self.round = 0
-        self.clock = RoundClock(run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap)
+        self.clock = RoundClock(
+            run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap, accumulate=self.accumulates
+        )
         self.params: dict[int, list[Tensor]] = {}
         """The live parameter tensors of every shard this replica holds (the role fills it in)."""
         self.syncs: dict[int, ShardSync] = {}
@@ -540,7 +548,7 @@ class Replica(ABC):
             self.announce(train_round=-1, deadline=0.0)
             self.in_flight = InFlight(plan, None, {}, {}, None)
             return
-        self.clock.record_speed(trained.steps, trained.window_s)
+        self.clock.record_speed(trained.steps * trained.accumulation, trained.window_s)  # the time of one batch
         self.announce(step_s=round(self.clock.step_s, 4))  # the group's grace (1.5 of our steps) reads it now
         records = self.records()
         fps = self.fingerprints()
@@ -735,6 +743,7 @@ class Replica(ABC):
         record = RoundRecord(
             round=round_,
             inner_steps=trained.steps if trained else 0,
+            accumulation=trained.accumulation if trained else 1,
             tokens=trained.tokens if trained else 0,
             train_loss=trained.loss if trained else None,
             eval_loss=eval_loss,
