@@ -91,3 +91,31 @@ def test_doctor_checks_with_joins_default_host_and_names_a_loopback_bind(tmp_pat
     assert loopback.returncode == 1, loopback.stdout + loopback.stderr
     assert "listens on 127.0.0.1, which only programs on this machine can reach" in loopback.stdout, loopback.stdout
     assert "behind NAT" not in loopback.stdout
+
+
+def test_a_peer_restarted_on_a_new_address_is_found_again(tmp_path: Path) -> None:
+    """r1 leaves and comes back with the same identity (its checkpoint directory) from another machine, i.e. another
+    namespace and address: r0 has only ever dialed the old address, so it must re-learn the new one from r1's
+    signed record to fetch its messages, and the two must average together again."""
+    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
+        peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s="2"))
+        for i in range(2):
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))
+        wait_for_round(tmp_path, 1, 1, timeout=90)
+        old = swarm.lab.nodes["r1"].address
+        assert swarm.stop("r1", timeout=30) == 0
+        left_at = max(rounds_of(tmp_path, 1))
+        swarm.start("r1-moved", join_args(peers, 1, tmp_path))  # same --checkpoint-dir: same identity and metrics
+        new = swarm.lab.nodes["r1-moved"].address
+        deadline = time.monotonic() + WAIT_S
+        back: list[int] = []
+        while not back and time.monotonic() < deadline:
+            early = rounds_of(tmp_path, 0)
+            back = [t for t, r in rounds_of(tmp_path, 1).items() if t > left_at and r["contributed"]]
+            back = [t for t in back if t in early and early[t]["contributors"] == 2]
+            time.sleep(0.5)
+        log = swarm.log_path("r1-moved").read_text()
+    assert old != new
+    assert back, f"r1 never averaged with r0 again from {new}:\n{log[-3000:]}"
+    assert rounds_of(tmp_path, 0)[back[0]]["fingerprints"] == rounds_of(tmp_path, 1)[back[0]]["fingerprints"]
+    assert "resumed from checkpoint" in log, "the moved node is the same peer, resuming its own state"
