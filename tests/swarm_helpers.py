@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +92,15 @@ def ef_fingerprint(checkpoint_dir: Path) -> str:
     """Fingerprint of the error-feedback buffers in a checkpoint, as the node logs it when it resumes."""
     state = read_checkpoint(checkpoint_dir / CHECKPOINT_NAME)
     return fingerprint([b for sync in state["syncs"] for b in sync["error_feedback"]["buffers"]])
+
+
+def probe(url: str) -> tuple[int, str]:
+    """(HTTP status, body) of a node's HTTP endpoint; a 503 is an answer here, not an error, and status 0 means
+    nothing listens there yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except urllib.error.URLError as e:
+        return 0, str(e.reason)

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 import typer
 import yaml
-from swarm_helpers import run_args
+from swarm_helpers import probe, run_args
 
 from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
@@ -131,17 +130,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
-
-
-def probe(url: str) -> tuple[int, str]:
-    """(HTTP status, body); status 0 while nothing listens there yet."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except urllib.error.URLError as e:
-        return 0, str(e.reason)
 
 
 @dataclass

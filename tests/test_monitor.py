@@ -20,7 +20,7 @@ from browser import CHROMIUM, rendered_dom, screenshot
 from factories import peer_id, peer_record
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from swarm_helpers import join_args, rounds_of, run_args
+from swarm_helpers import join_args, probe, rounds_of, run_args
 
 from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
@@ -115,15 +115,6 @@ def test_a_fresh_node_reports_unknown_losses_as_nan_and_a_busy_port_is_a_clear_e
             MonitorServer("127.0.0.1", port, metrics.registry)
     finally:
         server.close()
-
-
-def probe(url: str) -> tuple[int, str]:
-    """(HTTP status, body) of a health endpoint; a 503 is an answer here, not an error."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
 
 
 def test_healthz_follows_the_daemon_and_readyz_waits_for_a_role_and_a_round() -> None:
