@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.roles.replica import STEP_STRIDE, Replica, Trained
+from hetero_node.client.roles.replica import STEP_STRIDE, Replica, Trained, replica_number
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership
@@ -33,11 +33,6 @@ from hetero_node.protocol.roles import ROLE_FULL
 from hetero_node.protocol.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
-
-
-def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
-    """This replica's data shard index: --replica-id, or a number derived from the peer id."""
-    return node.replica_id if node.replica_id >= 0 else int.from_bytes(runtime.peer_id.to_bytes()[-4:], "big")
 
 
 class FullReplica(Replica):
@@ -153,6 +148,17 @@ class FullReplica(Replica):
         if self.basis is not None and self.run_cfg.pipeline.drift_transfer:
             self.transfer_drift(self.model, self.basis.to(self.device))
         return True
+
+    def behind_schedule(self, round_: int, extra_s: float) -> bool:
+        """Whether spending `extra_s` now would leave too little time to train the minimum steps of `round_`
+        before the deadline other replicas already announced for it (the round is then under way without us)."""
+        from hivemind.utils import get_dht_time
+
+        records = self.records(timeout=1.0)
+        announced = [r.deadline for pid, r in records.items() if pid != self.me and r.train_round == round_]
+        announced = [d for d in announced if d > 0]
+        needed = extra_s + self.run_cfg.outer.min_inner_steps * self.clock.step_s
+        return bool(announced) and get_dht_time() + needed > min(announced)
 
     def evaluate(self, round_: int, trained: bool) -> float | None:
         """Held-out loss of θ(t+1), when due, unless it would make us miss the next round's deadline: every full

@@ -60,6 +60,11 @@ MAX_BACK_OFF_S = 5.0
 """Longest wait before planning again after rounds whose result nobody served us yet."""
 
 
+def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
+    """This replica's data shard index: --replica-id, or a number derived from the peer id."""
+    return node.replica_id if node.replica_id >= 0 else int.from_bytes(runtime.peer_id.to_bytes()[-4:], "big")
+
+
 @dataclass(frozen=True)
 class Trained:
     """What a replica's inner loop did in one round."""
@@ -190,17 +195,6 @@ class Replica(ABC):
     @abstractmethod
     def metrics_header(self) -> dict[str, Any]:
         """The metrics file's header: role, stage, vr, replica id, parameters."""
-
-    def behind_schedule(self, round_: int, extra_s: float) -> bool:
-        """Whether spending `extra_s` now would leave too little time to train the minimum steps of `round_`
-        before the deadline other replicas already announced for it (the round is then under way without us)."""
-        from hivemind.utils import get_dht_time
-
-        records = self.records(timeout=1.0)
-        announced = [r.deadline for pid, r in records.items() if pid != self.me and r.train_round == round_]
-        announced = [d for d in announced if d > 0]
-        needed = extra_s + self.run_cfg.outer.min_inner_steps * self.clock.step_s
-        return bool(announced) and get_dht_time() + needed > min(announced)
 
     def deltas(self, shard: int) -> list[Tensor]:
         """Δ = θ(t) − θ_local of a shard (a virtual replica measures it from its projected start)."""
