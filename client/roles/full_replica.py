@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.roles.replica import STEP_STRIDE, Replica, Trained, replica_number
+from hetero_node.client.roles.replica import STEP_STRIDE, Replica, replica_number
+from hetero_node.client.roles.round_record import Trained
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership

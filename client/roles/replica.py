@@ -24,7 +24,6 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,10 +32,11 @@ from torch import Tensor
 from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
 from hetero_node.client.outer.shard_state import EMBED, FIXED, ShardStates, state_fingerprint
-from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, ShardSync
+from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
+from hetero_node.client.roles.round_record import InFlight, Settled, Trained, round_record
 from hetero_node.client.roles.schedule import RoundClock, RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership
@@ -63,52 +63,6 @@ MAX_BACK_OFF_S = 5.0
 def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
     """This replica's data shard index: --replica-id, or a number derived from the peer id."""
     return node.replica_id if node.replica_id >= 0 else int.from_bytes(runtime.peer_id.to_bytes()[-4:], "big")
-
-
-@dataclass(frozen=True)
-class Trained:
-    """What a replica's inner loop did in one round."""
-
-    steps: int
-    tokens: int
-    loss: float | None
-    """Mean training loss (None where the loss is computed elsewhere: pipeline stages before the last)."""
-    compute_s: float
-    """Time in inner steps."""
-    window_s: float
-    """Wall time of the training loop, what happens between steps included: the round length a step costs."""
-    accumulation: int = 1
-    """Batches each inner step accumulated."""
-
-
-@dataclass
-class InFlight:
-    """A round whose contribution is out: its shards' pending rounds and the workers finishing them."""
-
-    plan: RoundPlan
-    trained: Trained | None
-    pendings: dict[int, PendingRound]
-    futures: dict[int, concurrent.futures.Future[ShardOutcome]]
-    cutoff: dict[int, list[Tensor]] | None
-    """Local weights at the deadline (the rebase point under --overlap; None: nothing trains meanwhile)."""
-    comm_s: float = 0.0
-    wait_s: float = 0.0
-
-    @property
-    def round(self) -> int:
-        return self.plan.round
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures.values())
-
-
-@dataclass
-class Settled:
-    """How a round ended for this replica."""
-
-    outcomes: dict[int, ShardOutcome] = field(default_factory=dict)
-    caught_up: str = ""
-    catch_up_bytes: int = 0
 
 
 def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
@@ -726,43 +680,13 @@ class Replica(ABC):
         return sent
 
     def record_round(self, round_: int, flight: InFlight | None, eval_loss: float | None, settled: Settled) -> None:
-        """Write the round's metrics line and hand it to the caller's callback."""
-        trained = flight.trained if flight is not None else None
-        outcomes = settled.outcomes.values()
-        group = max((o.group_size for o in outcomes), default=0)
-        contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
-        # every shard's Δ is either in the aggregate or owed (at least one owed): nothing was lost
-        deferred = any(o.deferred for o in outcomes) and all(o.deferred or o.contributed for o in outcomes)
-        n_params = sum(p.numel() for ps in self.params.values() for p in ps)
-        record = RoundRecord(
-            round=round_,
-            inner_steps=trained.steps if trained else 0,
-            accumulation=trained.accumulation if trained else 1,
-            tokens=trained.tokens if trained else 0,
-            train_loss=trained.loss if trained else None,
-            eval_loss=eval_loss,
-            bytes_sent=self._bytes_sent_since_last_record(),
-            bytes_received=sum(o.bytes_received for o in outcomes) + settled.catch_up_bytes,
-            compute_s=trained.compute_s if trained else 0.0,
-            comm_s=(flight.comm_s + flight.wait_s) if flight else 0.0,
-            fingerprints=self.fingerprints(),
-            group_size=group,
-            contributors=min((o.contributors for o in outcomes), default=0),
-            dropped=[d for o in outcomes for d in o.dropped],
-            resynced=trained is not None and not contributed and group != 1 and not deferred,
-            deferred=deferred,
-            messages_relayed=sum(o.messages_relayed for o in outcomes),
-            dense_allreduce_bytes=int(2 * 4 * n_params * (group - 1) / group) if group > 1 else 0,
-            contributed=contributed,
-            sat_out=flight is not None and trained is None,
-            caught_up=settled.caught_up,
-            catch_up_bytes=settled.catch_up_bytes,
-            wait_s=flight.wait_s if flight else 0.0,
-            round_s=(flight.plan.length_s or 0.0) if flight else 0.0,
-            overhead_s=self.clock.overhead_s,
-            ended_at=time.time(),
-            **self.round_extras(),
-        )
+        """Write the round's metrics line, announce its summary and hand it to the caller's callback."""
+        record = round_record(
+            round_, flight, eval_loss, settled,
+            n_params=sum(p.numel() for ps in self.params.values() for p in ps),
+            bytes_sent=self._bytes_sent_since_last_record(), fingerprints=self.fingerprints(),
+            overhead_s=self.clock.overhead_s, extras=self.round_extras(),
+        )  # fmt: skip
         self.metrics.write(record)
         self.announce(last_round=round_summary(record))
         if self.on_round is not None:

@@ -35,7 +35,8 @@ from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.outer.shard_state import EMBED, FIXED
 from hetero_node.client.roles.pipeline_schedule import PipelineAborted, PipelineSchedule
 from hetero_node.client.roles.pipeline_stage import PipelineStage
-from hetero_node.client.roles.replica import STEP_STRIDE, Replica, Trained, replica_number
+from hetero_node.client.roles.replica import STEP_STRIDE, Replica, replica_number
+from hetero_node.client.roles.round_record import Trained
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.roles.stage_link import Expectation, StageInbox, StageSender, microbatch_sizes, wire
 from hetero_node.client.swarm import view
