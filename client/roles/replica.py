@@ -10,11 +10,8 @@ contributions and their settling are written once, here.
 State: `start[s]` is θ(t) of each held shard, the weights every member of round t agrees on (their fingerprints
 are what records advertise and groups compare); the live parameters are the local weights that train.
 
-Overlap (`--overlap`, full replicas): round t's exchange runs in worker threads while round t+1 already trains
-from the local weights W(t) reached at round t's deadline. When θ(t+1) arrives (between two inner steps, or at
-round t+1's deadline at the latest) the local progress δ made since the deadline is kept: the weights become
-θ(t+1) + δ, with δ = W − W(t). Round t+1's pseudo-gradient is then measured from θ(t+1), so δ is part of it, and
-every member still agrees on θ(t+1) bit for bit. Without overlap δ is zero and the weights become θ(t+1).
+Overlap (`--overlap`, full replicas): round t's exchange runs in worker threads while round t+1 already trains;
+θ(t+1) then goes under the local progress made meanwhile (`overlap.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
+from hetero_node.client.roles.overlap import local_progress, rebase, weights_at_deadline
 from hetero_node.client.roles.round_record import InFlight, Settled, Trained, round_record
 from hetero_node.client.roles.schedule import RoundClock, RoundPlan
 from hetero_node.client.swarm import view
@@ -521,7 +519,7 @@ class Replica(ABC):
                 futures[shard] = self._executor.submit(
                     self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
                 )
-        cutoff = {s: [p.detach().clone() for p in ps] for s, ps in self.params.items()} if self.overlap else None
+        cutoff = weights_at_deadline(self.params) if self.overlap else None
         self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=time.perf_counter() - started)
 
     def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
@@ -552,7 +550,7 @@ class Replica(ABC):
         waited = time.perf_counter()
         outcomes = {s: future.result() for s, future in flight.futures.items()}
         flight.wait_s += time.perf_counter() - waited
-        progress = self.local_progress(flight)  # before anything writes θ(t+1) or a state into the parameters
+        progress = local_progress(self.params, flight.cutoff)  # before θ(t+1) or a state is written into them
         settled = Settled(outcomes)
         if self.stop.is_set():  # leaving: the checkpoint keeps θ(t) and the error feedback as they were
             for shard, pending in flight.pendings.items():
@@ -574,7 +572,7 @@ class Replica(ABC):
             if how in ("state", "failed"):  # a whole state replaced ours, or we stay in round t for catch-up
                 self.drop_unused(flight, outcomes)
                 if how == "state":
-                    self.rebase(progress)
+                    rebase(self.params, progress)
                 self.record_round(flight.round, flight, None, settled)
                 return
         else:
@@ -639,7 +637,7 @@ class Replica(ABC):
             self.set_params(shard, tensors)
         if not self.upkeep(new_round):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
-            self.rebase(progress)
+            rebase(self.params, progress)
             return None
         self.adopt_start()
         self.round = new_round
@@ -648,29 +646,12 @@ class Replica(ABC):
         trained = flight is not None and flight.trained is not None
         eval_loss = self.evaluate(new_round - 1, trained) if caught_up is None else None
         self.checkpoint()
-        self.rebase(progress)
+        rebase(self.params, progress)
         if caught_up is not None:
             self.record_round(
                 new_round - 1, None, eval_loss, Settled(caught_up=caught_up[0], catch_up_bytes=caught_up[1])
             )
         return eval_loss
-
-    @torch.no_grad()
-    def local_progress(self, flight: InFlight) -> dict[int, list[Tensor]] | None:
-        """δ = W − W(t): what training did since the round's deadline (overlap only; None: nothing trained)."""
-        if flight.cutoff is None:
-            return None
-        return {
-            shard: [p.detach() - mark for p, mark in zip(self.params[shard], cutoff, strict=True)]
-            for shard, cutoff in flight.cutoff.items()
-        }
-
-    @torch.no_grad()
-    def rebase(self, progress: dict[int, list[Tensor]] | None) -> None:
-        """Put the local progress made since the round's deadline back on top of the new θ (overlap only)."""
-        for shard, deltas in (progress or {}).items():
-            for param, delta in zip(self.params[shard], deltas, strict=True):
-                param.add_(delta)
 
     def _bytes_sent_since_last_record(self) -> int:
         """Blob bytes we served since the previous round's record: our messages as the others fetched them (at
