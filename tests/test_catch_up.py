@@ -10,10 +10,10 @@ from factories import run_config
 
 from hetero_node.bench.poison import swarm
 from hetero_node.client.outer.catch_up import catch_up_shard
-from hetero_node.client.outer.shard_sync import MANIFEST, digest, encode_manifest, message_kind
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.outer_methods import outer_method
+from hetero_node.protocol.round_wire import MANIFEST, digest, encode_manifest, message_kind
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
 

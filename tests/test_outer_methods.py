@@ -10,10 +10,10 @@ import pytest
 import torch
 from factories import run_config
 
-from hetero_node.client.outer.shard_sync import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.outer_methods import DiLoCoMethod, SparseLoCoMethod, outer_method
+from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.protocol.run_config import OuterConfig
 
 SHAPES = [(64, 48), (300,)]

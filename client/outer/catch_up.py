@@ -18,16 +18,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from hetero_node.client.outer.shard_sync import (
-    MANIFEST,
-    MAX_MANIFEST_BYTES,
-    ShardSync,
-    digest,
-    message_kind,
-    parse_manifest,
-)
+from hetero_node.client.outer.shard_sync import ShardSync
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.round_wire import MANIFEST, MAX_MANIFEST_BYTES, digest, message_kind, parse_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ E_S (the learned embedding) and rebuild T_fixed(t+1) themselves from the entries
 changed, served as the blob `embed-change` (a few percent of the table under SparseLoCo), checking the result
 against the fingerprints the swarm vouches for. A stage without a current copy (a joiner, a re-sync, a change that
 did not reproduce the fingerprints) fetches the whole tables once: the blobs `fixed` and `embed`, advertised under
-the fingerprint keys "fixed" and "embed".
+the fingerprint keys "fixed" and "embed". The blobs' byte layouts are `protocol/state_wire.py`; this module decides
+what to serve, whom to ask and whose fingerprints to believe.
 """
 
 from __future__ import annotations
@@ -22,52 +23,36 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
-from hetero_node.protocol import tensor_file
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.state_wire import (
+    EMBED,
+    EMBED_CHANGE,
+    FIXED,
+    STATE,
+    encode_change,
+    encode_state,
+    encode_table,
+    max_change_bytes,
+    max_state_bytes,
+    parse_change,
+    parse_state,
+    parse_table,
+)
+from hetero_node.protocol.state_wire import from_bytes as from_bytes  # re-exported for bench/fuzz.py
+from hetero_node.protocol.state_wire import to_bytes as to_bytes  # re-exported for bench/fuzz.py
 
 logger = logging.getLogger(__name__)
-
-FIXED = "fixed"
-"""Blob kind and fingerprint key of the fixed token table."""
-EMBED = "embed"
-"""Blob kind and fingerprint key of the learned embedding E_S (after the round's drift transfer)."""
-EMBED_CHANGE = "embed-change"
-"""Blob kind of the entries of E_S a round's outer step changed (`models.subspace.embedding_change`)."""
-
-
-def to_bytes(state: dict[str, Any]) -> bytes:
-    """Serialize a state for the wire (tensors and plain Python values only; `protocol/tensor_file.py`)."""
-    return tensor_file.dumps(state)
-
-
-def from_bytes(data: bytes) -> dict[str, Any]:
-    """Deserialize a peer's state without unpickling anything; `PayloadError` if it is not one."""
-    state = tensor_file.loads(data)
-    if not isinstance(state, dict):
-        raise PayloadError("peer state is not a dictionary")
-    return state
 
 
 def state_fingerprint(tensors: Sequence[Tensor], fixed: Tensor | None) -> str:
     """What a peer advertises for a shard: its tensors, then T_fixed in a subspace run."""
     return fingerprint([*tensors, *([] if fixed is None else [fixed])])
-
-
-def _finite_fp32(t: Any) -> bool:
-    return isinstance(t, Tensor) and t.dtype == torch.float32 and bool(t.isfinite().all())
-
-
-def _max_size(shapes: Sequence[tuple[int, ...]]) -> int:
-    """Generous bound on a serialized state (fp32 tensors, optional shared outer state of the same size, table,
-    overhead)."""
-    return 2 * sum(4 * torch.Size(s).numel() for s in shapes) + (1 << 22)
 
 
 def transfer_timeout(nbytes: int, download_mbps: float, floor_s: float) -> float:
@@ -111,21 +96,22 @@ class ShardStates:
         change in place, are copied here."""
         fixed = None if fixed is None else fixed.detach().cpu().clone()
         if embedding is not None:
-            table = {"round": round_, EMBED: embedding.detach().cpu()}
-            self.runtime.publish(EMBED, 0, round_, functools.partial(to_bytes, table))
+            table = functools.partial(encode_table, round_, EMBED, embedding.detach().cpu())
+            self.runtime.publish(EMBED, 0, round_, table)
         if change is not None:
-            positions, values = change
-            change = {"positions": positions, "values": values}
-            self.runtime.publish(EMBED_CHANGE, 0, round_, functools.partial(to_bytes, change))
+            self.runtime.publish(EMBED_CHANGE, 0, round_, functools.partial(encode_change, *change))
         for shard, shard_tensors in tensors.items():
-            state: dict[str, Any] = {"round": round_, "tensors": [t.detach().cpu() for t in shard_tensors]}
-            if fixed is not None:
-                state[FIXED] = fixed
-            if shared is not None and shared.get(shard) is not None:
-                state["shared"] = [t.detach().cpu().clone() for t in shared[shard]]
-            self.runtime.publish("state", shard, round_, functools.partial(to_bytes, state))
+            own = shared.get(shard) if shared is not None else None
+            state = functools.partial(
+                encode_state,
+                round_,
+                [t.detach().cpu() for t in shard_tensors],
+                fixed,
+                None if own is None else [t.detach().cpu().clone() for t in own],
+            )
+            self.runtime.publish(STATE, shard, round_, state)
         if fixed is not None:
-            self.runtime.publish(FIXED, 0, round_, functools.partial(to_bytes, {"round": round_, FIXED: fixed}))
+            self.runtime.publish(FIXED, 0, round_, functools.partial(encode_table, round_, FIXED, fixed))
 
     # ---------------------------------------------------------------------------------------------- loading
 
@@ -185,20 +171,14 @@ class ShardStates:
         states, size = {}, 0
         try:
             for shard, shapes in self.shapes.items():
-                limit = _max_size([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
+                limit = max_state_bytes([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
                 timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
-                round_, data = self.runtime.fetch(peer, "state", shard, donor_round, limit, timeout)
+                round_, data = self.runtime.fetch(peer, STATE, shard, donor_round, limit, timeout)
                 size += len(data)
-                state = from_bytes(data)
+                if round_ != donor_round:
+                    raise PayloadError(f"state of shard {shard} is of round {round_}, not {donor_round}")
+                state = parse_state(data, shapes, self.fixed_shape)
                 tensors, fixed = state["tensors"], state.get(FIXED)
-                if [tuple(t.shape) for t in tensors] != shapes or round_ != donor_round:
-                    raise PayloadError(f"state of shard {shard} has the wrong shapes or round")
-                if (fixed is None) != (self.fixed_shape is None) or (
-                    fixed is not None and tuple(fixed.shape) != self.fixed_shape
-                ):
-                    raise PayloadError(f"state of shard {shard} has no fixed table of shape {self.fixed_shape}")
-                if not all(_finite_fp32(t) for t in [*tensors, *([] if fixed is None else [fixed])]):
-                    raise PayloadError(f"state of shard {shard} holds non-fp32 or non-finite values")
                 if state_fingerprint(tensors, fixed) != record.fingerprints.get(str(shard)):
                     raise PayloadError(f"state of shard {shard} does not match the fingerprint {donor} advertised")
                 states[shard] = state
@@ -212,14 +192,14 @@ class ShardStates:
         advertises under `kind`; None on any failure."""
         from hivemind.p2p import PeerID
 
-        limit = _max_size([self.fixed_shape])
+        limit = max_state_bytes([self.fixed_shape])
         timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
         try:
             served, data = self.runtime.fetch(PeerID.from_base58(donor), kind, 0, round_, limit, timeout)
             self.table_bytes += len(data)
-            table = from_bytes(data)[kind]
-            if served != round_ or tuple(table.shape) != self.fixed_shape or table.dtype != torch.float32:
-                raise PayloadError(f"{kind} table of round {served} with shape {tuple(table.shape)}")
+            if served != round_:
+                raise PayloadError(f"{kind} table of round {served}, not {round_}")
+            table = parse_table(data, kind, self.fixed_shape)
             if fingerprint([table]) != record.fingerprints.get(kind):
                 raise PayloadError(f"{kind} table does not match the fingerprint {donor} advertised")
         except Exception as e:  # a bad donor is skipped, never trusted
@@ -232,15 +212,12 @@ class ShardStates:
         failure. Only shapes and types are checked here: the caller checks what they rebuild."""
         from hivemind.p2p import PeerID
 
-        limit = 4 * torch.Size(self.fixed_shape).numel() + (1 << 20)  # at most half the entries, or all values
+        limit = max_change_bytes(self.fixed_shape)
         timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
         try:
             _, data = self.runtime.fetch(PeerID.from_base58(donor), EMBED_CHANGE, 0, round_, limit, timeout)
             self.table_bytes += len(data)
-            change = from_bytes(data)
-            positions, values = change.get("positions"), change.get("values")
-            if not (isinstance(positions, Tensor) and _finite_fp32(values)):
-                raise PayloadError("an embedding change is int32 positions and finite fp32 values")
+            positions, values = parse_change(data)
         except Exception as e:  # a bad donor is skipped, never trusted
             logger.warning("could not load round %d's embedding change from %s: %r", round_, donor, e)
             return None

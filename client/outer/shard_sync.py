@@ -20,6 +20,9 @@ How a round's messages travel (the design choice the README explains):
    result fingerprints) and re-serves the messages, so a member that missed the group can rebuild θ(t+1) from
    them (`catch_up.py`) instead of downloading the model.
 
+The metadata's and the manifest's formats, and the blob kinds, are `protocol/round_wire.py`; this module is the
+transport and the order of events.
+
 Each member downloads at most K messages and uploads each at most twice (FANOUT), i.e. ≤ K·0.0273·N bytes down and
 ≤ 2K·0.0273·N up per round for SparseLoCo whatever the group's size R (all-to-all: (R−1)·0.0273·N each way).
 A butterfly all-reduce of the same sparse vectors would return the union of all selections
@@ -33,15 +36,12 @@ peer to peer, so replicas never agreed.)
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import math
-import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -56,71 +56,19 @@ from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
 from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
+from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
+from hetero_node.protocol.round_wire import parse_manifest as parse_manifest  # re-exported for bench/fuzz.py
 from hetero_node.protocol.run_config import RunConfig
-from hetero_node.protocol.swarm_key import PROOF_PATTERN, is_member, member_proof
+from hetero_node.protocol.swarm_key import is_member, member_proof
 
 logger = logging.getLogger(__name__)
 
-PAYLOAD, MANIFEST = "payload", "manifest"
-"""Blob kinds: a member's own message of a round, and the round's manifest."""
-MAX_MANIFEST_BYTES = 1 << 20
 MOVED_ON_POLL_S = 1.0
 """While looking for a group, check this often whether the others finished the round without us."""
 RELAY_PATIENCE = 0.5
 """Share of the fetch deadline a member waits for its relay parent to hold a message before asking its author."""
 RELAY_POLL_S = 0.05
 """First pause between asking a relay parent that does not hold the message yet (doubling up to 1 s)."""
-MAX_TOKENS = 1 << 40
-HEX = re.compile(r"^[0-9a-f]{8,64}$")
-PROOF = re.compile(PROOF_PATTERN)
-
-
-def message_kind(digest: str) -> str:
-    """Blob kind under which every member re-serves a round's message with this digest (for catch-up)."""
-    return f"msg:{digest}"
-
-
-def digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-@dataclass(frozen=True)
-class GroupMeta:
-    """What each member gathers through matchmaking about its contribution (checked before anything uses it)."""
-
-    round: int
-    start_fp: str
-    size: int
-    """Bytes of its message (0: it receives only)."""
-    digest: str
-    tokens: int
-    """Tokens it trained this round: the weight of its message."""
-    proof: str
-    """Its member proof in a private swarm ("" in a public one): the group leaves out members without one."""
-
-    def to_wire(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def parse(cls, raw: Any, max_size: int) -> GroupMeta | None:
-        """A peer's gathered metadata, or None when any field is missing, mistyped or out of range (a malformed
-        member is left out of the round; it must never crash the others)."""
-        if not isinstance(raw, dict) or set(raw) != {"round", "start_fp", "size", "digest", "tokens", "proof"}:
-            return None
-        if not (isinstance(raw["proof"], str) and PROOF.match(raw["proof"])):
-            return None
-        ints = [raw["round"], raw["size"], raw["tokens"]]
-        if any(type(v) is not int for v in ints) or not (0 <= raw["round"] <= 10**9):
-            return None
-        if not (0 <= raw["size"] <= max_size and 0 <= raw["tokens"] <= MAX_TOKENS):
-            return None
-        if not (isinstance(raw["start_fp"], str) and HEX.match(raw["start_fp"])):
-            return None
-        if not (isinstance(raw["digest"], str) and (raw["digest"] == "" or HEX.match(raw["digest"]))):
-            return None
-        if (raw["size"] == 0) != (raw["tokens"] == 0) or (raw["size"] == 0) != (raw["digest"] == ""):
-            return None
-        return cls(**raw)
 
 
 class Received(NamedTuple):
@@ -200,43 +148,6 @@ def majority_fingerprint(fingerprints: list[str], vouched: Callable[[], str | No
         return tied[0]
     outside = vouched()
     return outside if outside in tied else ""
-
-
-def encode_manifest(round_: int, start_fp: str, result_fp: str, members: Sequence[tuple[str, str, int]]) -> bytes:
-    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result. No
-    members: the round was void (nobody completed it), θ(t+1) = θ(t)."""
-    body = {"round": round_, "start_fp": start_fp, "result_fp": result_fp, "members": [list(m) for m in members]}
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def parse_manifest(data: bytes, round_: int) -> dict[str, Any]:
-    """A peer's manifest of `round_`, strictly checked; PayloadError otherwise."""
-    try:
-        body = json.loads(data)
-        members = body["members"]
-        ok = (
-            set(body) == {"round", "start_fp", "result_fp", "members"}
-            and body["round"] == round_
-            and all(isinstance(body[k], str) and HEX.match(body[k]) for k in ("start_fp", "result_fp"))
-            and isinstance(members, list)
-            and len(members) <= 4096
-            and all(
-                isinstance(m, list)
-                and len(m) == 3
-                and isinstance(m[0], str)
-                and len(m[0]) <= 128
-                and isinstance(m[1], str)
-                and HEX.match(m[1])
-                and type(m[2]) is int
-                and 0 < m[2] <= MAX_TOKENS
-                for m in members
-            )
-        )
-    except (ValueError, TypeError, KeyError):
-        ok = False
-    if not ok:
-        raise PayloadError(f"malformed manifest of round {round_}")
-    return body
 
 
 class ShardSync:

@@ -1,0 +1,123 @@
+"""What the members of a shard's group exchange around the messages of one outer round: the metadata each gathers
+through matchmaking, the round's manifest, and the blob kinds and digests that name a round's messages.
+
+Every member parses what the others send with these rules, so they live in `protocol/`: a field added or a bound
+changed here changes what two peers accept from each other (bump `PROTOCOL_VERSION`). The transport that sends
+them (groups, streams, relays) is `client/outer/shard_sync.py`; a late member reads manifests in
+`client/outer/catch_up.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.swarm_key import PROOF_PATTERN
+
+PAYLOAD, MANIFEST = "payload", "manifest"
+"""Blob kinds: a member's own message of a round, and the round's manifest."""
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_MANIFEST_MEMBERS = 4096
+MAX_NAME_CHARS = 128
+"""Longest peer id a manifest may list."""
+MAX_TOKENS = 1 << 40
+MAX_ROUND = 10**9
+HEX = re.compile(r"^[0-9a-f]{8,64}$")
+PROOF = re.compile(PROOF_PATTERN)
+META_FIELDS = frozenset({"round", "start_fp", "size", "digest", "tokens", "proof"})
+MANIFEST_FIELDS = frozenset({"round", "start_fp", "result_fp", "members"})
+
+
+def message_kind(digest: str) -> str:
+    """Blob kind under which every member re-serves a round's message with this digest (for relays and catch-up)."""
+    return f"msg:{digest}"
+
+
+def digest(data: bytes) -> str:
+    """A message's digest as members announce and check it."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class GroupMeta:
+    """What each member gathers through matchmaking about its contribution (checked before anything uses it)."""
+
+    round: int
+    start_fp: str
+    size: int
+    """Bytes of its message (0: it receives only)."""
+    digest: str
+    tokens: int
+    """Tokens it trained this round: the weight of its message."""
+    proof: str
+    """Its member proof in a private swarm ("" in a public one): the group leaves out members without one."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def parse(cls, raw: Any, max_size: int) -> GroupMeta | None:
+        """A peer's gathered metadata, or None when any field is missing, mistyped or out of range (a malformed
+        member is left out of the round; it must never crash the others)."""
+        if not isinstance(raw, dict) or set(raw) != META_FIELDS:
+            return None
+        if not (isinstance(raw["proof"], str) and PROOF.match(raw["proof"])):
+            return None
+        ints = [raw["round"], raw["size"], raw["tokens"]]
+        if any(type(v) is not int for v in ints) or not (0 <= raw["round"] <= MAX_ROUND):
+            return None
+        if not (0 <= raw["size"] <= max_size and 0 <= raw["tokens"] <= MAX_TOKENS):
+            return None
+        if not (isinstance(raw["start_fp"], str) and HEX.match(raw["start_fp"])):
+            return None
+        if not (isinstance(raw["digest"], str) and (raw["digest"] == "" or HEX.match(raw["digest"]))):
+            return None
+        if (raw["size"] == 0) != (raw["tokens"] == 0) or (raw["size"] == 0) != (raw["digest"] == ""):
+            return None
+        return cls(**raw)
+
+
+def encode_manifest(round_: int, start_fp: str, result_fp: str, members: Sequence[tuple[str, str, int]]) -> bytes:
+    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result. No
+    members: the round was void (nobody completed it), θ(t+1) = θ(t)."""
+    body = {"round": round_, "start_fp": start_fp, "result_fp": result_fp, "members": [list(m) for m in members]}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_manifest(data: bytes, round_: int) -> dict[str, Any]:
+    """A peer's manifest of `round_`, strictly checked; PayloadError otherwise."""
+    try:
+        body = json.loads(data)
+        members = body["members"]
+        ok = (
+            set(body) == MANIFEST_FIELDS
+            and body["round"] == round_
+            and all(isinstance(body[k], str) and HEX.match(body[k]) for k in ("start_fp", "result_fp"))
+            and isinstance(members, list)
+            and len(members) <= MAX_MANIFEST_MEMBERS
+            and all(_is_manifest_member(m) for m in members)
+        )
+    except (ValueError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise PayloadError(f"malformed manifest of round {round_}")
+    return body
+
+
+def _is_manifest_member(m: Any) -> bool:
+    """[peer id, digest, tokens] with a positive weight: a manifest lists only messages the round aggregated."""
+    return (
+        isinstance(m, list)
+        and len(m) == 3
+        and isinstance(m[0], str)
+        and len(m[0]) <= MAX_NAME_CHARS
+        and isinstance(m[1], str)
+        and bool(HEX.match(m[1]))
+        and type(m[2]) is int
+        and 0 < m[2] <= MAX_TOKENS
+    )
