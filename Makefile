@@ -79,62 +79,62 @@ gpu-check:
 # 2 edge nodes, 3 rounds x H = 10 (about 15 min on 2 cores, most of it ddp's dense all-reduce at 50 Mbit/s);
 # mixed-speed: the same links with one full replica at a third of the others' speed, rounds overlapped (3 min).
 bench: venv data
-	$(BIN)/hetero-node bench --topology hetero --preset small --rounds 3 --inner-steps 10 \
+	$(BIN)/hetero-node-lab bench --topology hetero --preset small --rounds 3 --inner-steps 10 \
 		--out bench/results/hetero
-	$(BIN)/hetero-node bench --topology mixed-speed --methods hetero --preset small --rounds 6 --inner-steps 10 \
+	$(BIN)/hetero-node-lab bench --topology mixed-speed --methods hetero --preset small --rounds 6 --inner-steps 10 \
 		--overlap --out bench/results/mixed-speed
 
 # Time to loss: ddp's budget is 6 x H = 20 steps, the swarm methods get 30 rounds; the report says when each first
 # reached ddp's final eval loss (within 3%). tiny on the hetero links, the lab's batch and LR (about 25 min; root).
 bench-long: venv data
-	$(BIN)/hetero-node bench --topology hetero-tiny --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
+	$(BIN)/hetero-node-lab bench --topology hetero-tiny --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
 		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long
 
 # The same on links with 20-140 ms round trips (bench/topologies/hetero-tiny-wan.toml; delays need iptables).
 bench-long-wan: venv data
-	$(BIN)/hetero-node bench --topology hetero-tiny-wan --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
+	$(BIN)/hetero-node-lab bench --topology hetero-tiny-wan --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
 		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long-wan
 
 # The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 30 s).
 bench-plan: venv
-	$(BIN)/hetero-node bench-plan --out bench/results/plan-scaling
+	$(BIN)/hetero-node-lab plan-scaling --out bench/results/plan-scaling
 
 # Bytes a full replica downloads per round in loopback swarms of 2-16 tiny replicas, measured and modelled (~7 min).
 bench-exchange: venv data
-	$(BIN)/hetero-node bench-exchange --out bench/results/exchange-scaling
+	$(BIN)/hetero-node-lab exchange --out bench/results/exchange-scaling
 
 # 20 SIGKILLs (with restarts) and 5 freezes of random peers of a local swarm (no root needed; about 7 min).
 bench-kills: venv data
-	$(BIN)/hetero-node bench-kills --out bench/results/kills
+	$(BIN)/hetero-node-lab kills --out bench/results/kills
 
 # Finite, well-formed attacks on the outer step under the mean and the robust rule (one process; about 30 min).
 bench-byzantine: venv data
-	$(BIN)/hetero-node bench-byzantine --seeds 2 --out bench/results/byzantine
+	$(BIN)/hetero-node-lab byzantine --seeds 2 --out bench/results/byzantine
 
 # 10^5 structure-aware malformed inputs against every parser a peer's bytes reach (about 20 s).
 bench-fuzz: venv
-	$(BIN)/hetero-node bench-fuzz --out bench/results/fuzz
+	$(BIN)/hetero-node-lab fuzz --out bench/results/fuzz
 
 # 10^5 malformed stream messages, RPCs and DHT records sent by a peer process to a training local swarm (~13 min).
 bench-fuzz-swarm: venv data
-	$(BIN)/hetero-node bench-fuzz-swarm --out bench/results/fuzz-swarm
+	$(BIN)/hetero-node-lab fuzz-swarm --out bench/results/fuzz-swarm
 
 # A joiner among lying donors (other rounds, weights, fingerprints; real peers in one process; about 14 min).
 bench-poison: venv
-	$(BIN)/hetero-node bench-poison --out bench/results/poison
+	$(BIN)/hetero-node-lab poison --out bench/results/poison
 
 # One hour of a fault-free local swarm on 50 Mbit/s links (root; --link-mbit 0: loopback): RSS, fds, threads per
 # peer, and what is left after SIGTERM.
 bench-soak: venv data
-	$(BIN)/hetero-node bench-soak --out bench/results/soak
+	$(BIN)/hetero-node-lab soak --out bench/results/soak
 
 # What a circuit relay costs: two replicas on 20 Mbit/s links, direct, then one, then both behind NAT routers (root; ~4 min).
 bench-nat: venv data
-	$(BIN)/hetero-node bench-nat --out bench/results/nat
+	$(BIN)/hetero-node-lab nat --out bench/results/nat
 
 # The algorithm lab: the paper's three findings on `tiny` (12 cells x 3 seeds in one process, no network; ~1 h).
 sim: venv data
-	$(BIN)/hetero-node sim --out bench/results/sim
+	$(BIN)/hetero-node-lab sim --out bench/results/sim
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

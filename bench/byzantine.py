@@ -1,4 +1,4 @@
-"""`hetero-node bench-byzantine`: finite, well-formed attacks on the outer step, and what each aggregation rule
+"""`hetero-node-lab byzantine`: finite, well-formed attacks on the outer step, and what each aggregation rule
 lets them do.
 
 One process, no network: the lab measures the *rule*, not the transport (signed records, strict decoders, size

@@ -1,7 +1,7 @@
 """The command line every process of a benchmark run starts with, per method: the CLI a user would type.
 
 Swarm methods start `hetero-node bootstrap` with the run options and `hetero-node join` with node options only
-(the joiner learns the run from the bootstrap); `ddp` starts one `hetero-node ddp-rank` per node with the
+(the joiner learns the run from the bootstrap); `ddp` starts one `hetero-node-lab ddp-rank` per node with the
 same run options. Pure functions of the config, so they are unit-tested without a lab.
 """
 
@@ -13,7 +13,8 @@ from hetero_node.bench.config import BenchConfig
 from hetero_node.bench.topology import NodeSpec, Topology
 
 CLI = [sys.executable, "-m", "hetero_node.client.cli"]
-DDP = [*CLI, "--log-level", "INFO", "ddp-rank"]
+LAB = [sys.executable, "-m", "hetero_node.bench"]
+DDP = [*LAB, "--log-level", "INFO", "ddp-rank"]
 BOOTSTRAP_PORT = 31337
 """Each lab node has a namespace of its own, so fixed ports never collide."""
 DDP_PORT = 29500

@@ -1,4 +1,4 @@
-"""`hetero-node bench` options: which topology, which methods, what model and token budget, where results go.
+"""`hetero-node-lab bench` options: which topology, which methods, what model and token budget, where results go.
 
 Every method of one benchmark trains the same preset on the same data for the same number of tokens per node
 (rounds × H inner steps of batch_size × seq_len), so the report can compare them row by row.
@@ -329,7 +329,7 @@ SUBSPACE_METHODS = ("hetero", "compress-all")
 
 @dataclass(frozen=True)
 class SimConfig:
-    """`hetero-node sim`: the algorithm lab's grid (every list is swept) and its token budget; defaults are the
+    """`hetero-node-lab sim`: the algorithm lab's grid (every list is swept) and its token budget; defaults are the
     README's findings on `tiny` (about 1 h on 2 cores; `--seeds 1 --rounds 4` for a quick look)."""
 
     methods: str = field(default=",".join(SIM_METHODS), metadata={"help": f"Methods: {', '.join(SIM_METHODS)}."})
@@ -409,7 +409,7 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class PlanScalingConfig:
-    """`hetero-node bench-plan`: the cost model's weak scaling over swarm sizes drawn from one swarm file."""
+    """`hetero-node-lab plan-scaling`: the cost model's weak scaling over swarm sizes drawn from one swarm file."""
 
     swarm: Path = field(
         default=Path("bench/swarms/volunteers-1000.toml"), metadata={"help": "Swarm file (its first N nodes per size)."}
@@ -436,7 +436,7 @@ class PlanScalingConfig:
 
 @dataclass(frozen=True)
 class ExchangeScalingConfig:
-    """`hetero-node bench-exchange`: loopback swarms of full replicas of `tiny`, one per size."""
+    """`hetero-node-lab exchange`: loopback swarms of full replicas of `tiny`, one per size."""
 
     replicas: str = field(default="2,4,8,16", metadata={"help": "Swarm sizes (full replicas), comma-separated."})
     rounds: int = field(default=3, metadata={"help": "Outer rounds per swarm."})

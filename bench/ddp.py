@@ -1,6 +1,6 @@
 """The `ddp` baseline: what users would otherwise run, plain data parallelism over torch.distributed (gloo).
 
-One process per node (`hetero-node ddp-rank --rank R --world-size W --master ADDR:PORT ...`, run options as for
+One process per node (`hetero-node-lab ddp-rank --rank R --world-size W --master ADDR:PORT ...`, run options as for
 `hetero-node bootstrap`; the benchmark starts them). Every rank trains the same model from the same seed on its
 own data shard with the same inner optimizer as the swarm's replicas, and after every backward pass the ranks
 all-reduce the dense fp32 gradients (one flat buffer) and step on their mean. Communication is not overlapped

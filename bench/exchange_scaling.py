@@ -1,4 +1,4 @@
-"""`hetero-node bench-exchange`: bytes each full replica moves per round as the swarm grows, measured on loopback
+"""`hetero-node-lab exchange`: bytes each full replica moves per round as the swarm grows, measured on loopback
 (`hetero-node demo`, real processes) next to what the cost model says for today's exchange (at most K messages a
 round through relay trees), the all-to-all one before it, and a butterfly.
 

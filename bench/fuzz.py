@@ -1,4 +1,4 @@
-"""`hetero-node bench-fuzz`: structure-aware malformed inputs against every parser a peer's bytes reach.
+"""`hetero-node-lab fuzz`: structure-aware malformed inputs against every parser a peer's bytes reach.
 
 In one process, against the nodes' own functions: each entry point starts from a valid sample (a real SparseLoCo
 message, a DiLoCo payload, boundary activations and gradients, group metadata, a manifest, a peer record, a run

@@ -1,17 +1,17 @@
-"""`hetero-node bench-fuzz-swarm`: malformed inputs sent by a real peer process to a training swarm, over libp2p
+"""`hetero-node-lab fuzz-swarm`: malformed inputs sent by a real peer process to a training swarm, over libp2p
 streams and the DHT, while the swarm trains.
 
-`bench-fuzz` feeds the parsers in one process; this bench checks what sits in front of them on a live node. A
-bootstrap, two full replicas and a virtual replica of two stages (real `hetero-node` processes training `tiny`,
-as in `bench-kills`) run on loopback; this process joins the swarm as a peer with its own p2p daemon and DHT node
-and sends every peer, for every network entry point, inputs made from a valid one:
+`hetero-node-lab fuzz` feeds the parsers in one process; this bench checks what sits in front of them on a live
+node. A bootstrap, two full replicas and a virtual replica of two stages (real `hetero-node` processes training
+`tiny`, as in `hetero-node-lab kills`) run on loopback; this process joins the swarm as a peer with its own p2p
+daemon and DHT node and sends every peer, for every network entry point, inputs made from a valid one:
 
 * stream handlers (state and payload blobs, stage messages, both bandwidth probes) get a valid request frame
   (hivemind's marker + 8-byte length + protobuf) whose fields are set at random (wrong kinds, shards, rounds,
-  virtual replicas, stages, sizes) and, one time in two, whose bytes are then mutated as in `bench-fuzz` (bit
+  virtual replicas, stages, sizes) and, one time in two, whose bytes are then mutated as in `hetero-node-lab fuzz` (bit
   flips, truncations, huge declared lengths, random bytes, replays of another entry point's frame);
 * the bootstrap's run-key RPC gets mutated request bytes;
-* the DHT gets peer records and run announcements with one field wrong (`bench-fuzz`'s structure mutations),
+* the DHT gets peer records and run announcements with one field wrong (`hetero-node-lab fuzz`'s structure mutations),
   signed by this peer, some claiming a real peer's id, stored under the run's keys.
 
 Per entry point: inputs, answered with data, refused (error or closed), held open until the sender gave up. For
@@ -45,9 +45,9 @@ from hetero_node.bench.kill_soak import (
     sigterm_and_wait,
     wait_until,
 )
-from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.bench.samples import record_fields
 from hetero_node.bench.soak import sample_group
+from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.client.node.run_definition import fetch_run_announcement
 from hetero_node.client.swarm.runtime import PeerRuntime, wire
 from hetero_node.protocol.keys import RUN_KEY_HANDLER, blob_handler_name, peers_key, runs_key, stage_handler_name

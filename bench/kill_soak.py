@@ -1,4 +1,4 @@
-"""`hetero-node bench-kills`: a long loopback run in which random peers are SIGKILLed (and restarted) or frozen
+"""`hetero-node-lab kills`: a long loopback run in which random peers are SIGKILLed (and restarted) or frozen
 (SIGSTOP, then SIGCONT), with figures on what the swarm did about it.
 
 Peers are real `hetero-node join` processes (full replicas and one virtual replica's stages) with stable
@@ -30,7 +30,7 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import KillSoakConfig
-from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
+from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.client.roles.metrics import read_metrics
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""`hetero-node bench-nat`: what a circuit relay costs a swarm, measured on shaped links.
+"""`hetero-node-lab nat`: what a circuit relay costs a swarm, measured on shaped links.
 
 The same run three times: a bootstrap and two full replicas, each on a `--link-mbit` tbf link; first both replicas
 public (direct), then the second behind a NAT router of its own (it joins through a relay on the bootstrap), then
@@ -22,8 +22,9 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import NatBenchConfig
 from hetero_node.bench.kill_soak import peer_args, rounds_of
-from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
+from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import nat_unavailable_reason
+from hetero_node.client.cli.local_swarm import fresh_dir
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 
 REPLICAS = ("r0", "r1")
@@ -39,7 +40,7 @@ def run_args(cfg: NatBenchConfig) -> list[str]:
 
 def run_scenario(cfg: NatBenchConfig, workdir: Path, behind_nat: frozenset[str]) -> dict[str, Any]:
     """One run; the replicas' round records, the bootstrap's link bytes and the wall time."""
-    with LocalSwarm(workdir, link_mbit=cfg.link_mbit, behind_nat=behind_nat) as swarm:
+    with LabSwarm(workdir, cfg.link_mbit, behind_nat=behind_nat) as swarm:
         assert swarm.lab is not None
         peers = swarm.start_bootstrap(run_args(cfg))
         nodes = ["bootstrap", *REPLICAS]

@@ -1,4 +1,4 @@
-"""`hetero-node bench-plan`: the cost model's weak scaling from 10 to 1,000 volunteers, for today's protocol, the
+"""`hetero-node-lab plan-scaling`: the cost model's weak scaling from 10 to 1,000 volunteers, for today's protocol, the
 ones before it (later stages fetching T_fixed whole; every member fetching every message) and a butterfly, with
 the planner choosing roles, virtual replicas, rank and H at every size.
 

@@ -1,4 +1,4 @@
-"""`hetero-node bench-poison`: what a joiner loads when some of the donors it can reach lie about their state.
+"""`hetero-node-lab poison`: what a joiner loads when some of the donors it can reach lie about their state.
 
 Each scenario starts fresh real peers in this process (hivemind DHT and libp2p streams on loopback): honest full
 replicas serving round 5 of a small two-shard state with every weight 1.0, liars serving something else, and a

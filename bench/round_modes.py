@@ -1,4 +1,4 @@
-"""`hetero-node bench-rounds`: eval loss per trained token of the three ways a swarm can run its rounds.
+"""`hetero-node-lab rounds`: eval loss per trained token of the three ways a swarm can run its rounds.
 
 * `synchronous`: every replica trains exactly H steps (`--min-inner-steps H --max-inner-steps H`), the way rounds
   worked before they were time-boxed;

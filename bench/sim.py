@@ -1,4 +1,4 @@
-"""`hetero-node sim`: the algorithm lab. R replicas in one process, step-synchronous, no network.
+"""`hetero-node-lab sim`: the algorithm lab. R replicas in one process, step-synchronous, no network.
 
 It measures algorithms, not timing: every replica trains its H inner steps from θ(t) on its own data shard
 (`sim_replicas`: the nodes' trainer, and for a virtual replica the stage peers' `PipelineStage`s with real boundary

@@ -8,7 +8,7 @@ way; each stage clips its own shard and re-projects after its optimizer step, ex
 transport is missing, which the lab does not measure.
 
 Both hold one `OuterMethod` per parameter shard (SparseLoCo's error feedback is per replica), and both start every
-round from the swarm's θ(t) and T_fixed (`load`). Their modules may live on a GPU (`hetero-node sim --device`); the
+round from the swarm's θ(t) and T_fixed (`load`). Their modules may live on a GPU (`hetero-node-lab sim --device`); the
 outer methods' error feedback and messages stay on the CPU, as on a node.
 """
 

@@ -1,6 +1,6 @@
-"""`hetero-node bench-soak`: a long, fault-free run that watches each peer's resources.
+"""`hetero-node-lab soak`: a long, fault-free run that watches each peer's resources.
 
-A bootstrap, full replicas and virtual replicas (real `hetero-node join` processes, as in `bench-kills`) train
+A bootstrap, full replicas and virtual replicas (real `hetero-node join` processes, as in `hetero-node-lab kills`) train
 `tiny` in time-boxed rounds for `--minutes`, each peer in a network namespace of its own on a `--link-mbit`
 link shaped with `tc tbf` (or all on loopback with `--link-mbit 0`). Every `--sample-s` the bench reads, for
 each peer's whole process group (the node, hivemind's DHT and averager children, p2pd), the resident memory (VmRSS
@@ -26,8 +26,9 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import SoakConfig
 from hetero_node.bench.kill_soak import p2pd_pids, peer_args, rounds_of, run_args, sigterm_and_wait
-from hetero_node.bench.local_swarm import LocalSwarm, fresh_dir
+from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import netns_unavailable_reason
+from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.socket_dir import PREFIX
 
@@ -75,7 +76,7 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> dict[str, Any
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in [*names, "bootstrap"]}
     started = time.monotonic()
     link = cfg.link_mbit or None
-    with LocalSwarm(workdir, link_mbit=link) as swarm:
+    with LabSwarm(workdir, link) if link else LocalSwarm(workdir) as swarm:
         peers = swarm.start_bootstrap(run_args(cfg.preset, cfg.round_s))
         pgids = {
             name: swarm.start(name, peer_args(peers, name, workdir, i, swarm.host(name), link or 1000)).pid

@@ -1,4 +1,4 @@
-"""`hetero-node bench`: run each method of a scenario in a fresh lab, keep the raw runs, write the report."""
+"""`hetero-node-lab bench`: run each method of a scenario in a fresh lab, keep the raw runs, write the report."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> Path:
 
 
 def load_runs(out: Path, methods: tuple[str, ...]) -> list[dict[str, Any]]:
-    """The raw runs an earlier `hetero-node bench` left in `out/runs/`, in `methods` order (missing ones skipped)."""
+    """The raw runs an earlier `hetero-node-lab bench` left in `out/runs/`, in `methods` order (missing ones
+    skipped)."""
     runs = []
     for method in methods:
         path = out / "runs" / f"{method}.json"

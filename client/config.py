@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from hetero_node.protocol.errors import ConfigError, require_ports, require_positive
 from hetero_node.protocol.run_config import OptimConfig
@@ -161,6 +162,7 @@ class SyncTimeouts:
     """How long a round waits for others; a dead or frozen peer costs at most these (hivemind pitfall C in
     ARCHITECTURE.md)."""
 
+    help_panel: ClassVar[str] = "Timeouts"
     matchmaking_s: float = field(default=4.0, metadata={"help": "Shortest wait of a round's group for late members."})
     straggler_fraction: float = field(
         default=0.5,

@@ -18,7 +18,7 @@ Malformed or non-finite contributions, and non-positive weights, are dropped, no
 This rule trusts every member to be honest but possibly broken: it bounds a message's whole norm, not where the norm
 goes. `--aggregation robust` (`_robust`) bounds each contribution per tensor, per value and per
 coordinate, and caps claimed weights, so a minority that lies with well-formed messages moves θ by a bounded share;
-`hetero-node bench-byzantine` measures both rules against the attacks of the trust review.
+`hetero-node-lab byzantine` measures both rules against the attacks of the trust review.
 
 Every peer must reach the same bits, so the result depends only on the contributions, their weights and their
 order: callers pass contributions in a canonical order (sorted by peer id). Norms are computed exactly rounded
@@ -176,7 +176,7 @@ def aggregate(
 
 ROBUST_WEIGHT_CAP = 1.0
 """Under the robust rule a contribution counts at most this many times the lower-median weight: a token count is
-a claim. `bench-byzantine` measured 1.0, 1.5 and 2.0 against a sign-flipper claiming 1000× the tokens (+0.5%,
+a claim. `hetero-node-lab byzantine` measured 1.0, 1.5 and 2.0 against a sign-flipper claiming 1000× the tokens (+0.5%,
 +0.8%, +1.3% eval loss with four honest replicas)."""
 
 
@@ -197,7 +197,7 @@ def _robust(
     * per coordinate: Σ w_r·x_rj over the selectors divided by the weight of *all* contributors (a member that did
       not select j counts as 0 there), so a coordinate one peer selected alone moves by its share of the group,
       not by its full value. Honest selections overlap only in part, so honest steps are smaller too: the price
-      of the rule, measured by `bench-byzantine`.
+      of the rule, measured by `hetero-node-lab byzantine`.
     """
     median = lower_median([weights[i] for i in used]) if used else 1.0
     capped = [min(weights[i], ROBUST_WEIGHT_CAP * median) for i in used]

@@ -8,7 +8,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.models.shards import fingerprint

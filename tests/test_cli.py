@@ -15,8 +15,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
+from hetero_node.bench.cli import lab
 from hetero_node.client.cli.app import app, main
 
 CONSOLE_SCRIPT = Path(sys.executable).parent / "hetero-node"
@@ -57,18 +59,19 @@ def test_help_lists_every_command() -> None:
     assert "fetch" in CliRunner().invoke(app, ["data", "--help"]).output
 
 
-def test_every_help_text_is_printed_whole() -> None:
+@pytest.mark.parametrize("cli", [app, lab], ids=["hetero-node", "hetero-node-lab"])
+def test_every_help_text_is_printed_whole(cli: typer.Typer) -> None:
     """Help texts are plain text: `[run]` in "a run.toml with [run], [outer] ... tables" was eaten as rich markup."""
     import typer.main
 
-    commands = [([name], command) for name, command in typer.main.get_command(app).commands.items()]
-    assert len(commands) > 10
+    commands = [([name], command) for name, command in typer.main.get_command(cli).commands.items()]
+    assert len(commands) >= 10
     while commands:
         path, command = commands.pop()
         if hasattr(command, "commands"):  # a group (`data`)
             commands += [([*path, name], sub) for name, sub in command.commands.items()]
             continue
-        output = " ".join(CliRunner().invoke(app, [*path, "--help"], terminal_width=400).output.split())
+        output = " ".join(CliRunner().invoke(cli, [*path, "--help"], terminal_width=400).output.split())
         for param in command.params:
             text = " ".join((getattr(param, "help", None) or "").split())
             if text and not getattr(param, "hidden", False):

@@ -29,8 +29,8 @@ from swarm_helpers import probe, run_args
 
 from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
-from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.client.cli.app import app
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.cli.options import ENV_PREFIX
 from hetero_node.models.paths import CACHE_ENV_VAR
 

@@ -12,7 +12,7 @@ from pathlib import Path
 OWNER = """
 import sys, time
 from pathlib import Path
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 with LocalSwarm(Path(sys.argv[1])) as swarm:
     peer = swarm.start("sleeper", ["-c", "import time; time.sleep(600)"], program=[sys.executable])
     print(peer.pid, flush=True)

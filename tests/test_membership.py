@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from factories import peer_record, record_fields
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.monitor.snapshot import read_snapshot
 from hetero_node.client.node.run_definition import fetch_run_announcement
 from hetero_node.client.roles.metrics import read_metrics

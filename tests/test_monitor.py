@@ -24,7 +24,7 @@ from swarm_helpers import join_args, probe, rounds_of, run_args
 
 from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.monitor.health import DAEMON_GONE, Health
 from hetero_node.client.monitor.http_server import MonitorServer, open_dashboard
 from hetero_node.client.monitor.node_metrics import NodeMetrics

@@ -17,10 +17,11 @@ import psutil
 import pytest
 from swarm_helpers import join_args, rounds_of, run_args, wait_for_round
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.nat_relay import render_markdown, summarise
 from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 from hetero_node.bootstrap.config import RelayConfig
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.swarm.runtime import (
     RELAYED_PIECE_BYTES,
     STATE_REQUESTS_PER_MINUTE,
@@ -70,7 +71,7 @@ def node_args(swarm: LocalSwarm, peers: str, name: str, index: int, workdir: Pat
 def test_a_replica_behind_nat_is_told_so_by_doctor_joins_relayed_and_contributes_every_round(tmp_path: Path) -> None:
     """The NAT'd replica also dials the public one directly (outbound works), so their messages can take that
     connection; the relay is what makes it reachable at all."""
-    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r1"})) as swarm:
+    with LabSwarm(tmp_path, LINK_MBIT, behind_nat=frozenset({"r1"})) as swarm:
         peers = swarm.start_bootstrap(run_args(4, inner_steps=6))
         doctor = swarm.lab.run(
             swarm.lab.add_nat_node("r1", LINK_MBIT),
@@ -113,7 +114,7 @@ def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribu
     on the relay from the start (static relays), averagers that lead groups though their DHT is a client, and
     fetches that resume over a fresh circuit: p2pd's relay resets each circuit after 128 KiB each way, and one
     `small` message (two shards of 142 KB) is larger than that."""
-    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:
+    with LabSwarm(tmp_path, LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:
         peers = swarm.start_bootstrap(run_args(3, inner_steps=1000, preset="small", round_s="8"))
         first, second = train_two_replicas(swarm, peers, tmp_path, rounds=3)
     for t in range(3):  # each got the other's whole message, past two circuit resets
@@ -126,7 +127,7 @@ def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribu
 @pytest.mark.multipeer
 @pytest.mark.timeout(480)
 def test_a_virtual_replica_whose_last_stage_is_behind_nat_trains_and_contributes(tmp_path: Path) -> None:
-    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, behind_nat=frozenset({"s1"})) as swarm:
+    with LabSwarm(tmp_path, LINK_MBIT, behind_nat=frozenset({"s1"})) as swarm:
         peers = swarm.start_bootstrap(run_args(200, inner_steps=6, round_s="4"))
         swarm.start("r0", node_args(swarm, peers, "r0", 0, tmp_path, min_peers="2"))
         for index, stage in ((10, 0), (11, 1)):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from swarm_helpers import join_args, rounds_of, run_args, wait_for_round
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import PUBLIC_SUBNET, netns_unavailable_reason
 
 UNAVAILABLE = netns_unavailable_reason()
@@ -44,7 +44,7 @@ def test_a_late_joiner_loads_state_over_the_network_and_contributes_without_stal
     signed record carries to fetch its state, not ask the daemon to route to a bare peer id. Both join with the
     line the bootstrap printed and no --host, as a volunteer pastes it; the first replica runs without --quiet,
     its output to a file, so it logs a plain line per round and one when it leaves."""
-    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
+    with LabSwarm(tmp_path, LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
         peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s="2"))
         swarm.start("r0", [a for a in join_args(peers, 0, tmp_path, min_peers="1") if a != "--quiet"])
         wait_for_round(tmp_path, 0, JOIN_AFTER_ROUNDS - 1, timeout=90)
@@ -79,7 +79,7 @@ def test_a_late_joiner_loads_state_over_the_network_and_contributes_without_stal
 def test_doctor_checks_with_joins_default_host_and_names_a_loopback_bind(tmp_path: Path) -> None:
     """Without --host, doctor listens where join does (every interface) and is reachable; told to listen on
     127.0.0.1 it says that the loopback bind, not NAT, keeps peers out."""
-    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
+    with LabSwarm(tmp_path, LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
         peers = swarm.start_bootstrap(run_args(1))
         doctor = [sys.executable, "-m", "hetero_node.client.cli", "doctor", "--peers", peers]
         node = swarm.lab.add_node("volunteer", LINK_MBIT)
@@ -97,7 +97,7 @@ def test_a_peer_restarted_on_a_new_address_is_found_again(tmp_path: Path) -> Non
     """r1 leaves and comes back with the same identity (its checkpoint directory) from another machine, i.e. another
     namespace and address: r0 has only ever dialed the old address, so it must re-learn the new one from r1's
     signed record to fetch its messages, and the two must average together again."""
-    with LocalSwarm(tmp_path, link_mbit=LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
+    with LabSwarm(tmp_path, LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
         peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s="2"))
         for i in range(2):
             swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))

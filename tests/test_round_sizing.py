@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, run_args
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(300)]
 

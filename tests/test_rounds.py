@@ -24,7 +24,7 @@ import torch
 from swarm_helpers import assert_all_exit_cleanly, ef_fingerprint, join_args, rounds_of, run_args, wait_for_round
 
 from hetero_node.bench import cpu_quota
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]

@@ -1,4 +1,4 @@
-"""The algorithm lab (`hetero-node sim`): a lab round is a swarm round, the same seed gives the same report, and
+"""The algorithm lab (`hetero-node-lab sim`): a lab round is a swarm round, the same seed gives the same report, and
 the report's arithmetic (mean ± std, when a curve reaches another, the findings' gaps) on synthetic runs."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from rich.progress import Progress
 from swarm_helpers import rounds_of, start_replicas, wait_for_round
 
 from hetero_node.bench.config import SimConfig
-from hetero_node.bench.local_swarm import LocalSwarm
 from hetero_node.bench.sim import FULL, Cell, cell_run_config, grid, run_cell, run_sim, simulate
 from hetero_node.bench.sim_replicas import SimFullReplica
 from hetero_node.bench.sim_report import (
@@ -22,6 +21,7 @@ from hetero_node.bench.sim_report import (
     rounds_to_reach,
     summarize,
 )
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.models.data import build_token_store, val_batches
 from hetero_node.models.tokenizer import load_tokenizer

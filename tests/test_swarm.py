@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from swarm_helpers import assert_all_exit_cleanly, eval_losses, join_args, rounds_of, start_replicas, wait_for_round
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.cli.plan import sizing_run
 from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from swarm_helpers import assert_all_exit_cleanly, ef_fingerprint, join_args, rounds_of, run_args, wait_for_round
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, boundary_bytes_per_token

@@ -9,39 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import os
 import signal
-import sys
-from collections.abc import Callable
 from enum import StrEnum
 from functools import partial
-from importlib.metadata import version
 from pathlib import Path
-from typing import Any
 
 import typer
-from rich.console import Console
-from rich.logging import RichHandler
-from rich.markup import escape
 
-from hetero_node.bench.config import (
-    BenchConfig,
-    ByzantineConfig,
-    DDPWorkerConfig,
-    ExchangeScalingConfig,
-    FuzzConfig,
-    KillSoakConfig,
-    NatBenchConfig,
-    PlanScalingConfig,
-    PoisonConfig,
-    RoundModesConfig,
-    SimConfig,
-    SoakConfig,
-    SwarmFuzzConfig,
-)
 from hetero_node.bootstrap.config import BootstrapConfig, RelayConfig
 from hetero_node.client.cli.demo import DemoConfig
+from hetero_node.client.cli.entry import command_line, console, err_console, format_value, print_plain, run
 from hetero_node.client.cli.options import expand_dataclass_options, explicit_options
 from hetero_node.client.cli.plan import PlanConfig
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
@@ -52,65 +29,22 @@ from hetero_node.protocol.roles import REQUESTED_ROLES
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 PROG_NAME = "hetero-node"
+VOLUNTEER, OPERATOR, TRY = "Join a swarm", "Run a swarm", "Try and inspect"
 
-app = typer.Typer(
-    name=PROG_NAME,
-    help="Volunteer compute for heterogeneous, low-bandwidth LLM pre-training over hivemind.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,  # locals of a training loop are tensors: noise, and slow to render
-    rich_markup_mode=None,  # help texts are plain: "[run] tables" must not be read as (and eaten by) rich markup
+app = command_line(
+    PROG_NAME,
+    "Volunteer compute for heterogeneous, low-bandwidth LLM pre-training over hivemind.",
+    panels=(VOLUNTEER, OPERATOR, TRY),
 )
 data_app = typer.Typer(
     help="The training corpus: fetch it once, then every run trains offline.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-app.add_typer(data_app, name="data")
-
-console = Console()
-err_console = Console(stderr=True)
+app.add_typer(data_app, name="data", rich_help_panel=TRY)
 
 
-class LogLevel(StrEnum):
-    DEBUG = "DEBUG"
-    INFO = "INFO"
-    WARNING = "WARNING"
-    ERROR = "ERROR"
-
-
-def _configure_logging(level: LogLevel) -> None:
-    """Rich log lines on stderr (they scroll above a live progress bar); hivemind reads its level from the
-    environment when first imported, which no command does before this runs."""
-    os.environ["HIVEMIND_LOGLEVEL"] = level.value
-    if err_console.is_terminal:
-        handler: logging.Handler = RichHandler(console=err_console, show_path=False)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    else:  # a log file: one unwrapped line per record, greppable
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.value, handlers=[handler], force=True)
-
-
-def _show_version(value: bool) -> None:
-    if value:
-        typer.echo(f"{PROG_NAME} {version(PROG_NAME)}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _global_options(
-    log_level: LogLevel = typer.Option(
-        LogLevel.WARNING, "--log-level", case_sensitive=False, help="Log verbosity (hivemind's included)."
-    ),
-    _version: bool = typer.Option(
-        False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
-    _configure_logging(log_level)
-
-
-@app.command()
+@app.command(rich_help_panel=TRY)
 @expand_dataclass_options
 def train(
     cfg: TrainConfig,
@@ -128,7 +62,7 @@ def train(
     print_table(console, "local training", ("", ""), train_summary_rows(summary))
     if report is not None:
         report.write_text(json.dumps(dataclasses.asdict(summary), indent=2) + "\n")
-        console.print(f"report written to {report}", markup=False, highlight=False, soft_wrap=True)
+        print_plain(f"report written to {report}")
 
 
 @data_app.command("fetch")
@@ -151,16 +85,12 @@ def data_fetch(
         f"token cache: {store.n_tokens:,} byte-level tokens under {cache_dir / 'tokens'}",
         f"data identity: {store.identity}",
     ):
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        print_plain(line)
 
 
 def main() -> None:
-    """Console-script entry point: a `HeteroNodeError` becomes `error: ...` and exit code 1, never a traceback."""
-    try:
-        app(prog_name=PROG_NAME)
-    except HeteroNodeError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
-        sys.exit(1)
+    """The `hetero-node` console script."""
+    run(app)
 
 
 Role = StrEnum("Role", {name.upper(): name for name in REQUESTED_ROLES})
@@ -202,7 +132,7 @@ RUN_FILE_OPTION = typer.Option(
 )
 
 
-@app.command()
+@app.command(rich_help_panel=OPERATOR)
 @expand_dataclass_options
 def bootstrap(
     context: typer.Context,
@@ -251,7 +181,7 @@ def bootstrap(
         node.serve_forever()
 
 
-@app.command()
+@app.command(rich_help_panel=VOLUNTEER)
 @expand_dataclass_options
 def join(
     context: typer.Context,
@@ -306,7 +236,7 @@ def join(
         run_node(configs, explicit, node, timeouts, role.value, stage, on_status=status_line.update, on_round=show)
 
 
-@app.command("swarm-key")
+@app.command("swarm-key", rich_help_panel=OPERATOR)
 def swarm_key(path: Path = typer.Argument(..., help="Where to write the new key (never overwritten).")) -> None:
     """Make a key for a private swarm: give it to the bootstrap and to every peer (--swarm-key); keep it secret."""
     from hetero_node.protocol.swarm_key import create_swarm_key
@@ -315,7 +245,7 @@ def swarm_key(path: Path = typer.Argument(..., help="Where to write the new key 
     console.print(f"wrote a new swarm key to {path}", markup=False, highlight=False)
 
 
-@app.command()
+@app.command(rich_help_panel=TRY)
 def export(
     checkpoint: list[Path] = typer.Option(
         ...,
@@ -340,7 +270,7 @@ def export(
     )  # fmt: skip
 
 
-@app.command()
+@app.command(rich_help_panel=VOLUNTEER)
 def status(
     peers: list[str] = typer.Option(..., "--peers", help="Multiaddr of the bootstrap (or any peer of the swarm)."),
     run_id: str | None = typer.Option(
@@ -360,7 +290,7 @@ def status(
     show_status(peers, run_id, as_json, watch, serve, console)
 
 
-@app.command()
+@app.command(rich_help_panel=VOLUNTEER)
 def doctor(
     peers: list[str] = typer.Option(..., "--peers", help="The bootstrap's multiaddr, as `join` would get it."),
     host: str = typer.Option(NodeConfig.host, "--host", help="Interface to listen on, as `join --host`."),
@@ -375,7 +305,7 @@ def doctor(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(rich_help_panel=TRY)
 @expand_dataclass_options
 def demo(cfg: DemoConfig) -> None:
     """Run a local swarm on this machine: a bootstrap and N full replicas, live table, summary, optional report."""
@@ -384,33 +314,13 @@ def demo(cfg: DemoConfig) -> None:
 
     report = run_demo(cfg, console)
     summary = report["summary"]
-    rows = [(key.replace("_", " "), _format(value)) for key, value in summary.items()]
+    rows = [(key.replace("_", " "), format_value(value)) for key, value in summary.items()]
     print_table(console, "demo summary", ("", ""), rows)
     if summary["failed_peers"]:
         raise HeteroNodeError(f"peers failed: {summary['failed_peers']}; see their logs in the work directory")
 
 
-@app.command()
-@expand_dataclass_options
-def bench(cfg: BenchConfig) -> None:
-    """Compare training methods on a lab of shaped network namespaces (needs root); writes report.json/.md, plots."""
-    from hetero_node.bench.suite import run_bench
-
-    path = run_bench(cfg, err_console)
-    console.print(path.with_suffix(".md").read_text(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"report: {path} and {path.with_suffix('.md')}", markup=False, highlight=False, soft_wrap=True)
-
-
-def _run_with_progress(run: Callable[[Any, Any], dict], render: Callable[[dict], str], cfg: Any) -> None:
-    """A long bench with a progress bar on stderr, then its report's Markdown on stdout."""
-    from rich.progress import Progress
-
-    with Progress(console=err_console) as progress:
-        report = run(cfg, progress)
-    console.print(render(report), markup=False, highlight=False, soft_wrap=True)
-
-
-@app.command()
+@app.command(rich_help_panel=OPERATOR)
 @expand_dataclass_options
 def plan(
     context: typer.Context,
@@ -429,138 +339,3 @@ def plan(
     configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     result, peers, baseline = run_plan(cfg, sizing_run(*configs.values()))
     print_plan(result, peers, cfg, console, baseline)
-
-
-@app.command("bench-plan")
-@expand_dataclass_options
-def bench_plan(cfg: PlanScalingConfig) -> None:
-    """Weak scaling by the cost model from 10 to 1,000 volunteers (a swarm file's mix), all-to-all vs butterfly
-    exchange, the planner choosing at every size; report.json, report.md and a plot under --out."""
-    from hetero_node.bench.plan_scaling import render_markdown, run_plan_scaling
-
-    _run_with_progress(run_plan_scaling, render_markdown, cfg)
-
-
-@app.command("bench-exchange")
-@expand_dataclass_options
-def bench_exchange(cfg: ExchangeScalingConfig) -> None:
-    """Bytes a full replica downloads per round in loopback swarms of 2 to 16 replicas (tiny), measured and
-    modelled (today's all-to-all exchange, and butterfly); report.json and report.md under --out."""
-    from hetero_node.bench.exchange_scaling import render_markdown, run_exchange_scaling
-
-    _run_with_progress(run_exchange_scaling, render_markdown, cfg)
-
-
-@app.command("bench-kills")
-@expand_dataclass_options
-def bench_kills(cfg: KillSoakConfig) -> None:
-    """Kill (and restart) or freeze random peers of a local swarm through a long run; report agreement, waits,
-    recovery and leftover processes (report.json and report.md under --out)."""
-    from hetero_node.bench.kill_soak import render_markdown, run_kill_soak
-
-    _run_with_progress(run_kill_soak, render_markdown, cfg)
-
-
-@app.command("bench-byzantine")
-@expand_dataclass_options
-def bench_byzantine(cfg: ByzantineConfig) -> None:
-    """Attack the outer step with finite, well-formed messages (in one process, the nodes' own code) and compare
-    the honest replicas' eval loss under each aggregation rule (report.json and report.md under --out)."""
-    from hetero_node.bench.byzantine import render_markdown, run_byzantine
-
-    _run_with_progress(run_byzantine, render_markdown, cfg)
-
-
-@app.command("sim")
-@expand_dataclass_options
-def sim(cfg: SimConfig) -> None:
-    """The algorithm lab: replicas in one process (the nodes' own training, codecs and outer step, no network)
-    over a grid of methods, ranks, H, top-k and replica counts; mean ± std over seeds, the paper's three findings,
-    loss-vs-tokens and loss-vs-bytes plots (report.json, report.md and PNGs under --out)."""
-    from hetero_node.bench.sim import run_sim
-    from hetero_node.bench.sim_report import render_markdown
-
-    _run_with_progress(run_sim, render_markdown, cfg)
-
-
-@app.command("bench-fuzz")
-@expand_dataclass_options
-def bench_fuzz(cfg: FuzzConfig) -> None:
-    """Feed structure-aware malformed inputs to every parser a peer's bytes reach; count crashes (report.json and
-    report.md under --out; exits 1 if anything crashed)."""
-    from hetero_node.bench.fuzz import render_markdown, run_fuzz
-
-    with err_console.status(f"fuzzing with {cfg.cases:,} inputs"):
-        results = run_fuzz(cfg.cases, cfg.seed, cfg.out)
-    console.print(render_markdown(results), markup=False, highlight=False, soft_wrap=True)
-    if any(r.crashes for r in results.values()):
-        raise typer.Exit(1)
-
-
-@app.command("bench-poison")
-@expand_dataclass_options
-def bench_poison(cfg: PoisonConfig) -> None:
-    """Let a joiner load the swarm's state from donors of which some lie (other rounds, weights or fingerprints);
-    count, per scenario, what it loaded (report.json and report.md under --out)."""
-    from hetero_node.bench.poison import render_markdown, run_poison
-
-    _run_with_progress(run_poison, render_markdown, cfg)
-
-
-@app.command("bench-soak")
-@expand_dataclass_options
-def bench_soak(cfg: SoakConfig) -> None:
-    """Run a local swarm for a long time and watch every peer's memory, file descriptors, threads and processes;
-    then stop it and count what is left behind (report.json and report.md under --out)."""
-    from hetero_node.bench.soak import render_markdown, run_soak
-
-    _run_with_progress(run_soak, render_markdown, cfg)
-
-
-@app.command("bench-nat")
-@expand_dataclass_options
-def bench_nat(cfg: NatBenchConfig) -> None:
-    """The cost of a circuit relay: two replicas on shaped links, direct then one behind NAT (root; report.md)."""
-    from hetero_node.bench.nat_relay import render_markdown, run_nat_bench
-
-    _run_with_progress(run_nat_bench, render_markdown, cfg)
-
-
-@app.command("bench-fuzz-swarm")
-@expand_dataclass_options
-def bench_fuzz_swarm(cfg: SwarmFuzzConfig) -> None:
-    """Send malformed stream messages, RPCs and DHT records from a peer process to a local swarm while it trains;
-    count what each entry point did and whether the swarm kept agreeing (report.json and report.md under --out)."""
-    from hetero_node.bench.fuzz_swarm import render_markdown, run_swarm_fuzz
-
-    _run_with_progress(run_swarm_fuzz, render_markdown, cfg)
-
-
-@app.command("bench-rounds")
-@expand_dataclass_options
-def bench_rounds(cfg: RoundModesConfig) -> None:
-    """Compare synchronous, time-boxed and overlapped rounds at equal trained tokens (local demo swarms, seeds)."""
-    from hetero_node.bench.round_modes import render_markdown, run_round_modes
-
-    with err_console.status("running the round modes (one local swarm per mode and seed)"):
-        report = run_round_modes(cfg)
-    console.print(render_markdown(report), markup=False, highlight=False, soft_wrap=True)
-
-
-@app.command("ddp-rank", hidden=True)
-@expand_dataclass_options
-def ddp_rank(run_options: RunOptions, outer: OuterConfig, optim: OptimConfig, worker: DDPWorkerConfig) -> None:
-    """One rank of the benchmark's ddp baseline (`hetero-node bench` starts one per lab node)."""
-    from hetero_node.bench.ddp import train
-    from hetero_node.client.node.run_definition import prepare_run
-
-    run, store = prepare_run(run_options, outer, optim, SparseLoCoConfig(), PipelineConfig())
-    train(run, store, worker)
-
-
-def _format(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)

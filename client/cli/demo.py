@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from hetero_node.bench.local_swarm import LocalSwarm
+from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError, require_positive
 from hetero_node.protocol.run_config import OuterConfig

@@ -32,6 +32,13 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+def help_panel(config_type: type) -> str:
+    """The heading `--help` lists a config's options under: its `help_panel`, else its name less the suffix
+    ("SparseLoCoConfig" → "SparseLoCo options")."""
+    name = config_type.__name__.removesuffix("Config").removesuffix("Options")
+    return getattr(config_type, "help_panel", f"{name} options")
+
+
 def _field_parameters(config_type: type) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(config_type)
     parameters = []
@@ -48,7 +55,12 @@ def _field_parameters(config_type: type) -> list[inspect.Parameter]:
         if hints[field.name] is bool:  # a flag that defaults to on needs its --no- form to be switched off
             names = [f"{names[0]}/--no-{names[0][2:]}"]
         option = typer.Option(
-            default, *names, help=field.metadata.get("help", ""), envvar=env_name(field.name), show_envvar=False
+            default,
+            *names,
+            help=field.metadata.get("help", ""),
+            envvar=env_name(field.name),
+            show_envvar=False,
+            rich_help_panel=help_panel(config_type),
         )
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=hints[field.name])

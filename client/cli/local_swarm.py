@@ -1,11 +1,10 @@
 """Start a bootstrap and peers as separate `hetero-node` processes on 127.0.0.1, and always stop them all.
 
-Used by `hetero-node demo` and by the multi-peer tests, so both exercise exactly what a user runs. Each process
-gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child, averager
-children and p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans them).
-With `link_mbit`, every peer instead runs in a namespace of its own on a `tc tbf`-shaped link (bench/netns.py),
-which the long benches use to run the same scenario over home-like links; `behind_nat` puts some of them behind a
-NAT router of their own.
+Used by `hetero-node demo`, the lab and the multi-peer tests, so all exercise exactly what a user runs. Each
+process gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child,
+averager children and p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans
+them). The lab's `LabSwarm` (bench/lab_swarm.py) places the same peers in network namespaces on shaped links by
+overriding `host` and `placed`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hetero_node.bench.netns import SUBNET, LabNode, NetLab
 from hetero_node.bootstrap.join_line import JOIN_LINE
 from hetero_node.client.cli.options import env_name
 from hetero_node.protocol.errors import HeteroNodeError
@@ -34,6 +32,9 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
+LOOPBACK = "127.0.0.1"
+
+
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -41,21 +42,8 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 class LocalSwarm:
     """A set of local peer processes with logs under `workdir`; use as a context manager."""
 
-    def __init__(
-        self,
-        workdir: Path,
-        threads_per_peer: int = 1,
-        link_mbit: float | None = None,
-        behind_nat: frozenset[str] = frozenset(),
-        subnet: str = SUBNET,
-    ) -> None:
-        """`behind_nat`: peers (with `link_mbit`) that sit behind a NAT router of their own and cannot be dialed;
-        `subnet`: where the lab's addresses come from (`bench/netns.py`)."""
+    def __init__(self, workdir: Path, threads_per_peer: int = 1) -> None:
         self.workdir = workdir
-        self.link_mbit = link_mbit
-        self.behind_nat = behind_nat
-        self.subnet = subnet
-        self.lab: NetLab | None = None
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen] = {}
         self.bootstrap_maddr: str | None = None
@@ -63,9 +51,9 @@ class LocalSwarm:
             **os.environ,
             "OMP_NUM_THREADS": str(threads_per_peer),  # peers share the CPU; oversubscription slows all of them
             "PYTHONUNBUFFERED": "1",
+            # loopback: nodes listen (and advertise) there only, not on the machine's interfaces
+            env_name("host"): LOOPBACK,
         }
-        if link_mbit is None:  # loopback: nodes listen (and advertise) there only, not on the machine's interfaces
-            self.env[env_name("host")] = "127.0.0.1"
 
     def __enter__(self) -> LocalSwarm:
         """While the swarm runs, SIGTERM to this process ends it through `__exit__` (stopping every peer) instead
@@ -75,30 +63,22 @@ class LocalSwarm:
             signal.signal(signal.SIGTERM, _exit_on_signal)
         if self._previous[signal.SIGINT] == signal.SIG_IGN:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        if self.link_mbit is not None:
-            self.lab = NetLab(subnet=self.subnet)
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.stop_all()
         finally:
-            if self.lab is not None:
-                self.lab.close()
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
 
     def host(self, name: str) -> str:
-        """The address peer `name` listens on: loopback, or its own lab node's."""
-        return "127.0.0.1" if self.lab is None else self._lab_node(name).address
+        """The address peer `name` listens on."""
+        return LOOPBACK
 
-    def _lab_node(self, name: str) -> LabNode:
-        """Peer `name`'s namespace and shaped link, made on first use."""
-        assert self.lab is not None and self.link_mbit is not None
-        if name in self.lab.nodes:
-            return self.lab.nodes[name]
-        add = self.lab.add_nat_node if name in self.behind_nat else self.lab.add_node
-        return add(name, self.link_mbit)
+    def placed(self, name: str, argv: list[str]) -> list[str]:
+        """The command that runs `argv` where peer `name` lives: here, this machine itself."""
+        return argv
 
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
@@ -114,9 +94,7 @@ class LocalSwarm:
         """Run `hetero-node ARGS` (or `PROGRAM ARGS`) as peer `name`, output to `<workdir>/<name>.log`;
         `preexec_fn` runs in the child first (e.g. to enter a CPU cgroup); `env` adds variables for this peer only
         (a deployment's HETERO_NODE_* configuration)."""
-        argv = [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args]
-        if self.lab is not None:  # `ip netns exec` execs the command: the pid and process group stay the peer's
-            argv = ["ip", "netns", "exec", self._lab_node(name).namespace, *argv]
+        argv = self.placed(name, [*(program or [sys.executable, "-m", "hetero_node.client.cli"]), *args])
         log = open(self.log_path(name), "w")  # noqa: SIM115 - the child owns it; closed when the child is reaped
         process = subprocess.Popen(
             argv,
