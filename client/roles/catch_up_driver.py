@@ -1,0 +1,102 @@
+"""Catching up: θ of a round this replica missed, rebuilt from the round's messages while peers still serve them and
+that is cheaper than a state, else loaded from a peer's state. The round loop needs it in two places: at the top
+of a round, when the swarm is ahead (we joined late, restarted, or missed rounds: `catch_up`), and at the end of a
+round whose group did not give us θ(t+1) (`obtain`). One shard's rebuild from its messages is `outer/catch_up.py`.
+
+`CatchingUp` is a part of `Replica` (`roles/replica.py`), written apart: it reads the replica's records, held
+shards and start point, loads states with `Replica.load_state`, and applies and records a rebuilt round as the
+loop does (`Replica.apply`, `Replica.record_round`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
+from hetero_node.client.roles.round_record import InFlight, Settled
+from hetero_node.client.swarm import view
+from hetero_node.client.swarm.runtime import KEPT_ROUNDS
+from hetero_node.protocol.flat_exchange import aggregated, contributor_limit
+from hetero_node.protocol.records import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+
+class CatchingUp:
+    """The catch-up part of `Replica` (see the module docstring)."""
+
+    def catch_up(self) -> None:
+        """If the swarm is ahead (we joined late, restarted, or missed rounds), reach its round: from the rounds'
+        messages while they are still served, else from a peer's state."""
+        records = self.records()
+        ahead = view.swarm_round(self.donors(records), self.me)
+        behind_from = self.round
+        while self.messages_cheaper(ahead - self.round, records) and not self.stop.is_set():
+            got = self.rebuild_round(self.round, list(self.start))
+            if got is None:
+                break
+            rebuilt, size = got
+            self.apply({s: r.tensors for s, r in rebuilt.items()}, self.round + 1, caught_up=("messages", size))
+        if ahead > self.round and not self.stop.is_set():
+            size = self.load_state(min_round=ahead, wait_s=0.0)
+            if size is not None:
+                self.record_round(self.round - 1, None, None, Settled(caught_up="state", catch_up_bytes=size))
+        if self.round > behind_from:
+            self.failed_settles = 0
+
+    def obtain(self, flight: InFlight, shards: list[int]) -> tuple[str, int, dict[int, CaughtUp]]:
+        """θ(t+1) of `shards` when our group did not give it: (how, bytes, tensors). Waits while another member
+        may still complete round t, then rebuilds it from the round's messages ("messages"), or loads a peer's
+        state ("state", all shards at once), or, when nobody completed it, keeps θ(t) ("void"). "failed": others
+        are ahead but served nothing usable (the next round's catch-up tries again)."""
+        from hivemind.utils import get_dht_time
+
+        t = flight.round
+        end = (flight.plan.deadline or get_dht_time()) + flight.plan.grace_s + self.timeouts.round_timeout_s
+        while not self.stop.is_set():
+            records = self.records()
+            donors = {pid: r for s in shards for pid, r in view.shard_donors(records, s).items()}  # any shard's holders
+            if any(pid != self.me and r.round > t for pid, r in donors.items()):
+                got = self.rebuild_round(t, shards) if self.messages_cheaper(1, records) else None
+                if got is not None:
+                    return "messages", got[1], got[0]
+                size = self.load_state(min_round=t + 1, wait_s=0.0)
+                return ("state", size, {}) if size is not None else ("failed", 0, {})
+            still = [pid for pid, r in donors.items() if pid != self.me and view.coming(r, t)]
+            if not still or get_dht_time() > end:
+                break
+            self.stop.wait(0.5)
+        if self.stop.is_set():
+            return "failed", 0, {}
+        logger.warning("round %d: nobody completed it; going on from round %d's weights", t, t)
+        fps = self.fingerprints()
+        for shard in shards:
+            self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)])
+        return "void", 0, {s: CaughtUp(self.start[s], 0, self.me, {}) for s in shards}
+
+    def messages_cheaper(self, behind: int, records: dict[str, PeerRecord]) -> bool:
+        """Whether rebuilding `behind` rounds from their messages beats loading the state: the messages are still
+        served (KEPT_ROUNDS) and all of them together weigh less than half the state."""
+        if not 0 < behind <= KEPT_ROUNDS or not all(sync.small_messages for sync in self.syncs.values()):
+            return False
+        replicas = max(1, view.replica_count(records, self.run_cfg.outer.stages))
+        per_round = aggregated(replicas, contributor_limit(self.run_cfg.outer))  # a manifest lists at most K
+        messages = sum(sync.method.max_message_bytes for sync in self.syncs.values()) * per_round * behind
+        return 2 * messages < sum(sync.state_bytes for sync in self.syncs.values())
+
+    def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, CaughtUp], int] | None:
+        """θ(t+1) of `shards` from round t's messages, served by peers that completed it; None if any failed."""
+        records = self.records()
+        fps = self.fingerprints()
+        rebuilt = {}
+        for shard in shards:  # a round's messages are served by whoever held the shard: stage peers too
+            holders = view.shard_donors(records, shard)
+            order = [pid for _, pid in sorted((r.round, pid) for pid, r in holders.items() if r.round > round_)]
+            order = [pid for pid in order if pid != self.me]
+            got = catch_up_shard(
+                self.syncs[shard], round_, self.start[shard], fps[str(shard)], order, self.timeouts.fetch_timeout_s
+            )
+            if got is None:
+                return None
+            rebuilt[shard] = got
+        return rebuilt, sum(got.bytes_received for got in rebuilt.values())
