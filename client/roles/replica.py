@@ -4,8 +4,10 @@
     held shard's group → settle: θ(t+1) from the group, else from the round's messages, else from a peer's state
     → upkeep (subspace), publish, eval, checkpoint, metrics
 
-A role supplies only what differs (`train`, `upkeep`, `evaluate`, who may serve its shards); the loop, catch-up,
-contributions and their settling are written once, here.
+A role supplies only what differs (`train`, `upkeep`, `evaluate`, who may serve its shards); the rest is written
+once: the loop and a round's end here, and parts of `Replica` written apart in their own files: the held θ(t), its
+record, served state and checkpoint (`held_state.py`), our Δ and its group (`contribution.py`), catching up
+(`catch_up_driver.py`); a round's bookkeeping and metrics line are `round_record.py`, the overlap's `overlap.py`.
 
 State: `start[s]` is θ(t) of each held shard, the weights every member of round t agrees on (their fingerprints
 are what records advertise and groups compare); the live parameters are the local weights that train.
@@ -27,22 +29,23 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
-from hetero_node.client.outer.shard_state import EMBED, FIXED, ShardStates, state_fingerprint
-from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
+from hetero_node.client.outer.shard_state import ShardStates
+from hetero_node.client.outer.shard_sync import ShardSync
 from hetero_node.client.roles.catch_up_driver import CatchingUp
-from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
+from hetero_node.client.roles.checkpoint import CheckpointWriter
+from hetero_node.client.roles.contribution import Contributing
+from hetero_node.client.roles.held_state import HeldState
 from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.metrics import MetricsWriter, RoundRecord, round_summary
-from hetero_node.client.roles.overlap import local_progress, rebase, weights_at_deadline
+from hetero_node.client.roles.overlap import local_progress, rebase
 from hetero_node.client.roles.round_record import InFlight, Settled, Trained, round_record
 from hetero_node.client.roles.schedule import RoundClock, RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.runtime import PeerRuntime
-from hetero_node.models.shards import fingerprint
 from hetero_node.models.subspace import drift_transfer_, embedding_change
 from hetero_node.models.trainer import InnerTrainer
-from hetero_node.protocol.errors import CheckpointError, DaemonError, PayloadError
+from hetero_node.protocol.errors import DaemonError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import RunConfig
 
@@ -62,13 +65,7 @@ def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
     return node.replica_id if node.replica_id >= 0 else int.from_bytes(runtime.peer_id.to_bytes()[-4:], "big")
 
 
-def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
-    future: concurrent.futures.Future[ShardOutcome] = concurrent.futures.Future()
-    future.set_result(value)
-    return future
-
-
-class Replica(CatchingUp, ABC):
+class Replica(HeldState, Contributing, CatchingUp, ABC):
     """A replica's life in the swarm (see the module docstring); `run()` blocks until the run ends."""
 
     accumulates = False
@@ -192,53 +189,6 @@ class Replica(CatchingUp, ABC):
         """Which part of the model this replica holds (a checkpoint only resumes the same part)."""
         return sorted(self.syncs)
 
-    # ---------------------------------------------------------------------------------------- checkpoints
-
-    def checkpoint(self) -> None:
-        """θ(t+1), the optimizer and the outer method's state (error feedback), written atomically each round."""
-        if self.node.checkpoint_dir is None:
-            return
-        state = {
-            "run_id": self.run_cfg.run_id,
-            "round": self.round,
-            "slot": self.slot(),
-            "model": self.module.state_dict(),
-            "trainer": self.trainer.state_dict(),
-            "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
-            "run_config": self.run_cfg.to_dict(),  # what `hetero-node export` rebuilds the model's shape from
-            **self.checkpoint_extras(),
-        }
-        if self.checkpoints is None:
-            self.checkpoints = CheckpointWriter(self.node.checkpoint_dir)
-        self.checkpoints.save(state)  # a CPU snapshot now, written in the background
-
-    def restore(self) -> None:
-        """Resume from our checkpoint; a corrupt one is an error unless a peer can provide the current state, and
-        one of another part of the model (a stage peer placed elsewhere) is left alone."""
-        if self.node.checkpoint_dir is None:
-            return
-        try:
-            state = load_checkpoint(self.node.checkpoint_dir, self.run_cfg.run_id)
-        except CheckpointError as e:
-            logger.error("%s; loading the current state from peers instead", e)
-            if self.load_state(min_round=0, wait_s=self.timeouts.round_timeout_s) is None:
-                raise CheckpointError(f"{e}, and no peer could provide the current state") from None
-            return
-        if state is None:
-            return
-        if state.get("slot", self.slot()) != self.slot():
-            logger.warning("the checkpoint is of %s, this node holds %s; not resuming it", state["slot"], self.slot())
-            return
-        self.module.load_state_dict(state["model"])
-        self.trainer.load_state_dict(state["trainer"])
-        self.restore_extras(state)
-        for shard, sync_state in zip(sorted(self.syncs), state["syncs"], strict=True):
-            self.syncs[shard].method.load_state_dict(sync_state)
-        self.adopt_start()
-        self.round = int(state["round"])
-        outer_state = fingerprint([t for s in sorted(self.syncs) for t in self.syncs[s].method.private_tensors()])
-        logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
-
     # -------------------------------------------------------------------------------------------- the loop
 
     def run(self, on_round: Callable[[RoundRecord], None] | None = None) -> None:
@@ -250,14 +200,7 @@ class Replica(CatchingUp, ABC):
             self.wait_for_peers()
             rounds = self.run_cfg.outer.rounds
             while not self.stop.is_set() and self.keep_serving():
-                try:
-                    self.runtime.ensure_daemon()
-                except DaemonError:
-                    # a signal to our whole process group takes p2pd down just as it tells us to leave
-                    if self.stop.wait(1.0):
-                        break
-                    raise
-                if self.back_off():
+                if self.check_daemon() or self.back_off():
                     break
                 if self.in_flight is None:
                     self.catch_up()
@@ -280,6 +223,18 @@ class Replica(CatchingUp, ABC):
             self.linger()
         finally:
             self.close()
+
+    def check_daemon(self) -> bool:
+        """Stop the node with a clear error when p2pd died (pitfall K), unless it went down because we are leaving:
+        a signal to our whole process group takes p2pd down just as it tells us to leave. Returns whether the node
+        is leaving."""
+        try:
+            self.runtime.ensure_daemon()
+        except DaemonError:
+            if self.stop.wait(1.0):
+                return True
+            raise
+        return False
 
     def back_off(self) -> bool:
         """After rounds whose result nobody served us yet (others are ahead, their messages and states not in
@@ -349,60 +304,6 @@ class Replica(CatchingUp, ABC):
                 return
             time.sleep(0.5)
 
-    # -------------------------------------------------------------------------------------- records & state
-
-    def records(self, timeout: float = 5.0) -> dict[str, PeerRecord]:
-        return self.runtime.read_records(timeout) or {}
-
-    def adopt_start(self) -> None:
-        """θ(t) := the live parameters (after an outer step, a state load or a checkpoint), and its fingerprints,
-        computed once here (hashing the model is not free on a slow machine)."""
-        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
-        fixed, embedding = self.fixed_table, self.embedding
-        fps = {str(s): state_fingerprint(tensors, fixed) for s, tensors in self.start.items()}
-        tables = {} if fixed is None else {FIXED: fingerprint([fixed])}
-        self._fingerprints = {**fps, **tables, **({} if embedding is None else {EMBED: fingerprint([embedding])})}
-
-    def fingerprints(self) -> dict[str, str]:
-        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), T_fixed and E_S."""
-        return self._fingerprints
-
-    def announce(self, **fields: Any) -> None:
-        """Our record's progress part: the round whose θ(t) we hold, its fingerprints, and anything given."""
-        self.membership.update(round=self.round, fingerprints=self.fingerprints(), **fields)
-
-    def publish_state(self) -> None:
-        """Serve θ(t) of every held shard (and the method's shared state) to joiners and re-syncing peers."""
-        shared = {s: sync.method.shared_state() for s, sync in self.syncs.items()}
-        self.states.publish(self.round, self.start, self.fixed_table, shared, self.embedding, self.embed_change)
-
-    @torch.no_grad()
-    def set_params(self, shard: int, tensors: list[Tensor]) -> None:
-        for param, value in zip(self.params[shard], tensors, strict=True):
-            param.copy_(value)
-
-    def load_state(self, min_round: int, wait_s: float) -> int | None:
-        """θ of every held shard at round ≥ min_round from a donor whose advertised fingerprints it matches;
-        returns the bytes downloaded, None when no donor had it in time."""
-        loaded = self.states.load(lambda: self.donors(self.records()), min_round, wait_s, self.stop)
-        if loaded is None:
-            return None
-        new_round, states, size = loaded
-        for shard, state in states.items():
-            self.set_params(shard, state["tensors"])
-            try:
-                self.syncs[shard].method.load_shared_state(state.get("shared") or [])
-            except PayloadError as e:  # the fingerprint covers the weights, not the shared state: keep ours
-                logger.warning("shard %d: the donor's outer state is unusable (%s); keeping ours", shard, e)
-        if self.fixed_table is not None:
-            self.fixed_table.copy_(next(iter(states.values()))[FIXED])
-        self.embed_change = None  # ours was of another round
-        self.adopt_start()
-        self.round = new_round
-        self.publish_state()
-        self.announce()
-        return size
-
     # ----------------------------------------------------------------------------------------------- round
 
     def plan(self, t: int) -> RoundPlan:
@@ -434,62 +335,6 @@ class Replica(CatchingUp, ABC):
                 self.announce(train_round=plan.round, deadline=refreshed.deadline or 0.0)
             return refreshed
         return plan
-
-    def contribute(self, plan: RoundPlan, trained: Trained | None) -> None:
-        """Encode Δ for every held shard and start its group (or a solo step when no other replica is alive)."""
-        from hivemind.utils import get_dht_time
-
-        started = time.perf_counter()
-        t = plan.round
-        if trained is None:  # receive only: the round's result comes from its messages once a member has it
-            self.announce(train_round=-1, deadline=0.0)
-            self.in_flight = InFlight(plan, None, {}, {}, None)
-            return
-        self.clock.record_speed(trained.steps * trained.accumulation, trained.window_s)  # the time of one batch
-        self.announce(step_s=round(self.clock.step_s, 4))  # the group's grace (1.5 of our steps) reads it now
-        records = self.records()
-        fps = self.fingerprints()
-        pendings = {}
-        for shard, sync in self.syncs.items():
-            try:
-                deltas = self.deltas(shard)
-                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], deltas, trained.tokens)
-            except PayloadError as e:
-                logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); receiving only", t, shard, e)
-                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], None, 0)
-        stages = self.run_cfg.outer.stages
-        if view.replica_count(records, stages) <= 1:  # nobody else is alive: a group of one
-            futures = {s: done_future(self.syncs[s].solo(p)) for s, p in pendings.items()}
-        else:
-            scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
-            futures = {}
-            for shard, pending in pendings.items():
-                expected = view.expected_group_size(records, t, shard, stages)
-                self.syncs[shard].begin(pending, expected, scheduled)
-            for shard, pending in pendings.items():
-                futures[shard] = self._executor.submit(
-                    self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
-                )
-        cutoff = weights_at_deadline(self.params) if self.overlap else None
-        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=time.perf_counter() - started)
-
-    def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
-        """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)
-        hold: what breaks a tie inside a group."""
-        return lambda: view.vouched_fingerprint(self.records(timeout=1.0), t, str(shard), me="")
-
-    def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
-        """Whether the shard's other members finished round t without us: more of them hold a later round than
-        are still in round t (one record claiming a later round is not enough)."""
-
-        def check() -> bool:
-            records = self.records(timeout=1.0)
-            members = [records[pid] for pid in view.shard_members(records, shard, self.run_cfg.outer.stages)]
-            others = [r for r in members if r.peer_id != self.me]
-            ahead = sum(r.round > t for r in others)
-            return ahead > 0 and ahead > sum(view.in_round(r, t) for r in others)
-
-        return check
 
     def settle(self, wait: bool) -> None:
         """Finish the round in flight (if its workers are done, or `wait`): θ(t+1) from the group, else from the
@@ -531,15 +376,6 @@ class Replica(CatchingUp, ABC):
         self.drop_unused(flight, outcomes)
         eval_loss = self.apply(new, flight.round + 1, flight, progress=progress)
         self.record_round(flight.round, flight, eval_loss, settled)
-
-    def drop_unused(self, flight: InFlight, outcomes: dict[int, ShardOutcome]) -> None:
-        """Our Δ of a shard whose aggregate does not hold our message: owed for a later round when the group left it
-        out by selection, else forgotten (the error feedback goes back to where it was)."""
-        for shard, pending in flight.pendings.items():
-            if outcomes[shard].deferred:  # never set together with `contributed`
-                self.syncs[shard].defer(pending)
-            elif not outcomes[shard].contributed:
-                self.syncs[shard].drop(pending)
 
     def apply(
         self,

@@ -1,0 +1,99 @@
+"""Our Δ in a round: encoded for every held shard and served, its group formed (or a step of its own when no other
+replica is alive) while the exchange finishes in worker threads (`contribute`); afterwards, a Δ the aggregate does
+not hold is owed to a later round or forgotten (`drop_unused`).
+
+`Contributing` is a part of `Replica` (`roles/replica.py`), written apart: it measures Δ with the role's `deltas`
+from the held θ(t), and leaves the round in `Replica.in_flight` for `Replica.settle`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+
+from hetero_node.client.outer.shard_sync import ShardOutcome
+from hetero_node.client.roles.overlap import weights_at_deadline
+from hetero_node.client.roles.round_record import InFlight, Trained
+from hetero_node.client.roles.schedule import RoundPlan
+from hetero_node.client.swarm import view
+from hetero_node.protocol.errors import PayloadError
+
+logger = logging.getLogger(__name__)
+
+
+def done_future(value: ShardOutcome) -> concurrent.futures.Future[ShardOutcome]:
+    """A future already holding `value`: a group of one is settled as a group's worker would be, by its result."""
+    future: concurrent.futures.Future[ShardOutcome] = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+class Contributing:
+    """The contributing part of `Replica` (see the module docstring)."""
+
+    def contribute(self, plan: RoundPlan, trained: Trained | None) -> None:
+        """Encode Δ for every held shard and start its group (or a solo step when no other replica is alive)."""
+        from hivemind.utils import get_dht_time
+
+        started = time.perf_counter()
+        t = plan.round
+        if trained is None:  # receive only: the round's result comes from its messages once a member has it
+            self.announce(train_round=-1, deadline=0.0)
+            self.in_flight = InFlight(plan, None, {}, {}, None)
+            return
+        self.clock.record_speed(trained.steps * trained.accumulation, trained.window_s)  # the time of one batch
+        self.announce(step_s=round(self.clock.step_s, 4))  # the group's grace (1.5 of our steps) reads it now
+        records = self.records()
+        fps = self.fingerprints()
+        pendings = {}
+        for shard, sync in self.syncs.items():
+            try:
+                deltas = self.deltas(shard)
+                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], deltas, trained.tokens)
+            except PayloadError as e:
+                logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); receiving only", t, shard, e)
+                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], None, 0)
+        stages = self.run_cfg.outer.stages
+        if view.replica_count(records, stages) <= 1:  # nobody else is alive: a group of one
+            futures = {s: done_future(self.syncs[s].solo(p)) for s, p in pendings.items()}
+        else:
+            scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
+            futures = {}
+            for shard, pending in pendings.items():
+                expected = view.expected_group_size(records, t, shard, stages)
+                self.syncs[shard].begin(pending, expected, scheduled)
+            for shard, pending in pendings.items():
+                futures[shard] = self._executor.submit(
+                    self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
+                )
+        cutoff = weights_at_deadline(self.params) if self.overlap else None
+        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=time.perf_counter() - started)
+
+    def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
+        """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)
+        hold: what breaks a tie inside a group."""
+        return lambda: view.vouched_fingerprint(self.records(timeout=1.0), t, str(shard), me="")
+
+    def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
+        """Whether the shard's other members finished round t without us: more of them hold a later round than
+        are still in round t (one record claiming a later round is not enough)."""
+
+        def check() -> bool:
+            records = self.records(timeout=1.0)
+            members = [records[pid] for pid in view.shard_members(records, shard, self.run_cfg.outer.stages)]
+            others = [r for r in members if r.peer_id != self.me]
+            ahead = sum(r.round > t for r in others)
+            return ahead > 0 and ahead > sum(view.in_round(r, t) for r in others)
+
+        return check
+
+    def drop_unused(self, flight: InFlight, outcomes: dict[int, ShardOutcome]) -> None:
+        """Our Δ of a shard whose aggregate does not hold our message: owed for a later round when the group left it
+        out by selection, else forgotten (the error feedback goes back to where it was)."""
+        for shard, pending in flight.pendings.items():
+            if outcomes[shard].deferred:  # never set together with `contributed`
+                self.syncs[shard].defer(pending)
+            elif not outcomes[shard].contributed:
+                self.syncs[shard].drop(pending)

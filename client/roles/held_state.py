@@ -1,0 +1,125 @@
+"""θ(t), the weights a replica holds for its round, and what the swarm learns of them: the start point and its
+fingerprints, taken from the live parameters (`adopt_start`), our record advertising them (`announce`) beside
+everyone's (`records`), θ(t) served to peers (`publish_state`) and loaded from one (`load_state`), and our checkpoint
+of it (`checkpoint`, `restore`).
+
+`HeldState` is a part of `Replica` (`roles/replica.py`), written apart: the role supplies the tensors (`params`,
+`module`, `trainer`, T_fixed and E_S), which part of the model it holds (`slot`) and who may serve it (`donors`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
+from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
+from hetero_node.models.shards import fingerprint
+from hetero_node.protocol.errors import CheckpointError, PayloadError
+from hetero_node.protocol.records import PeerRecord
+
+logger = logging.getLogger(__name__)
+
+
+class HeldState:
+    """The held-state part of `Replica` (see the module docstring)."""
+
+    def records(self, timeout: float = 5.0) -> dict[str, PeerRecord]:
+        return self.runtime.read_records(timeout) or {}
+
+    def adopt_start(self) -> None:
+        """θ(t) := the live parameters (after an outer step, a state load or a checkpoint), and its fingerprints,
+        computed once here (hashing the model is not free on a slow machine)."""
+        self.start = {s: [p.detach().clone() for p in tensors] for s, tensors in self.params.items()}
+        fixed, embedding = self.fixed_table, self.embedding
+        fps = {str(s): state_fingerprint(tensors, fixed) for s, tensors in self.start.items()}
+        tables = {} if fixed is None else {FIXED: fingerprint([fixed])}
+        self._fingerprints = {**fps, **tables, **({} if embedding is None else {EMBED: fingerprint([embedding])})}
+
+    def fingerprints(self) -> dict[str, str]:
+        """What our record advertises: every held shard's θ(t) (with T_fixed in a subspace run), T_fixed and E_S."""
+        return self._fingerprints
+
+    def announce(self, **fields: Any) -> None:
+        """Our record's progress part: the round whose θ(t) we hold, its fingerprints, and anything given."""
+        self.membership.update(round=self.round, fingerprints=self.fingerprints(), **fields)
+
+    def publish_state(self) -> None:
+        """Serve θ(t) of every held shard (and the method's shared state) to joiners and re-syncing peers."""
+        shared = {s: sync.method.shared_state() for s, sync in self.syncs.items()}
+        self.states.publish(self.round, self.start, self.fixed_table, shared, self.embedding, self.embed_change)
+
+    @torch.no_grad()
+    def set_params(self, shard: int, tensors: list[Tensor]) -> None:
+        for param, value in zip(self.params[shard], tensors, strict=True):
+            param.copy_(value)
+
+    def load_state(self, min_round: int, wait_s: float) -> int | None:
+        """θ of every held shard at round ≥ min_round from a donor whose advertised fingerprints it matches;
+        returns the bytes downloaded, None when no donor had it in time."""
+        loaded = self.states.load(lambda: self.donors(self.records()), min_round, wait_s, self.stop)
+        if loaded is None:
+            return None
+        new_round, states, size = loaded
+        for shard, state in states.items():
+            self.set_params(shard, state["tensors"])
+            try:
+                self.syncs[shard].method.load_shared_state(state.get("shared") or [])
+            except PayloadError as e:  # the fingerprint covers the weights, not the shared state: keep ours
+                logger.warning("shard %d: the donor's outer state is unusable (%s); keeping ours", shard, e)
+        if self.fixed_table is not None:
+            self.fixed_table.copy_(next(iter(states.values()))[FIXED])
+        self.embed_change = None  # ours was of another round
+        self.adopt_start()
+        self.round = new_round
+        self.publish_state()
+        self.announce()
+        return size
+
+    def checkpoint(self) -> None:
+        """θ(t+1), the optimizer and the outer method's state (error feedback), written atomically each round."""
+        if self.node.checkpoint_dir is None:
+            return
+        state = {
+            "run_id": self.run_cfg.run_id,
+            "round": self.round,
+            "slot": self.slot(),
+            "model": self.module.state_dict(),
+            "trainer": self.trainer.state_dict(),
+            "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
+            "run_config": self.run_cfg.to_dict(),  # what `hetero-node export` rebuilds the model's shape from
+            **self.checkpoint_extras(),
+        }
+        if self.checkpoints is None:
+            self.checkpoints = CheckpointWriter(self.node.checkpoint_dir)
+        self.checkpoints.save(state)  # a CPU snapshot now, written in the background
+
+    def restore(self) -> None:
+        """Resume from our checkpoint; a corrupt one is an error unless a peer can provide the current state, and
+        one of another part of the model (a stage peer placed elsewhere) is left alone."""
+        if self.node.checkpoint_dir is None:
+            return
+        try:
+            state = load_checkpoint(self.node.checkpoint_dir, self.run_cfg.run_id)
+        except CheckpointError as e:
+            logger.error("%s; loading the current state from peers instead", e)
+            if self.load_state(min_round=0, wait_s=self.timeouts.round_timeout_s) is None:
+                raise CheckpointError(f"{e}, and no peer could provide the current state") from None
+            return
+        if state is None:
+            return
+        if state.get("slot", self.slot()) != self.slot():
+            logger.warning("the checkpoint is of %s, this node holds %s; not resuming it", state["slot"], self.slot())
+            return
+        self.module.load_state_dict(state["model"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.restore_extras(state)
+        for shard, sync_state in zip(sorted(self.syncs), state["syncs"], strict=True):
+            self.syncs[shard].method.load_state_dict(sync_state)
+        self.adopt_start()
+        self.round = int(state["round"])
+        outer_state = fingerprint([t for s in sorted(self.syncs) for t in self.syncs[s].method.private_tensors()])
+        logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
