@@ -2,7 +2,9 @@
 
 A command declares parameters annotated with config dataclasses; `expand_dataclass_options` replaces each of
 them with one `--option` per field (help text from the field's ``metadata["help"]``) and rebuilds the
-dataclass instances before calling the command. Configs stay the single source of truth; the CLI follows.
+dataclass instances before calling the command. Configs stay the single source of truth; the CLI follows, and
+so do the command lines the demo, the lab and the tests start processes with: `to_argv` turns configs back into
+the options that rebuild them.
 
 Every such option can also be set by an environment variable, `HETERO_NODE_<FIELD>` (`--round-timeout-s` is
 `HETERO_NODE_ROUND_TIMEOUT_S`; a list takes whitespace-separated values; a flag takes 1/0 or true/false): what
@@ -15,7 +17,7 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import typer
@@ -45,12 +47,9 @@ def _field_parameters(config_type: type) -> list[inspect.Parameter]:
     for field in dataclasses.fields(config_type):
         if not field.init:
             continue
-        if field.default is not dataclasses.MISSING:
-            default = field.default
-        elif field.default_factory is not dataclasses.MISSING:
-            default = field.default_factory()
-        else:
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise TypeError(f"{config_type.__name__}.{field.name} needs a default to become a CLI option")
+        default = _default(field)
         names = [_option_name(field.name)]
         if hints[field.name] is bool:  # a flag that defaults to on needs its --no- form to be switched off
             names = [f"{names[0]}/--no-{names[0][2:]}"]
@@ -111,3 +110,44 @@ def explicit_options(context: typer.Context) -> set[str]:
     given = {"COMMANDLINE", "ENVIRONMENT"}
     sources = {name: context.get_parameter_source(name) for name in context.params}
     return {name for name, source in sources.items() if source is not None and source.name in given}
+
+
+def to_argv(*configs: Any, explicit: Collection[str] = ()) -> list[str]:
+    """The options that make a command built by `expand_dataclass_options` rebuild `configs` (dataclass
+    instances): the inverse of the above, for whoever starts a `hetero-node` process (the demo, the lab, tests).
+
+    Only fields that differ from their default are given, so a command line stays short and a joiner passes no run
+    option it did not mean (its explicit run options must agree with the swarm's); fields named in `explicit` are
+    given even at their default, where being explicit matters (it wins over an environment variable and a
+    `--config` file). A path becomes its string, a flag `--x` or `--no-x`, a list one `--x VALUE` per item; a value
+    an option cannot say (None, or an empty list, over a default that is neither) is a ValueError."""
+    argv: list[str] = []
+    for config in configs:
+        if not (dataclasses.is_dataclass(config) and not isinstance(config, type)):
+            raise TypeError(f"to_argv takes config dataclass instances, got {config!r}")
+        for field in dataclasses.fields(config):
+            if not field.init:
+                continue
+            value = getattr(config, field.name)
+            if value == _default(field) and field.name not in explicit:
+                continue
+            name = _option_name(field.name)
+            if isinstance(value, bool):
+                argv.append(name if value else f"--no-{name[2:]}")
+            elif isinstance(value, list | tuple):
+                if not value:
+                    raise ValueError(f"{name}: an empty list cannot be given over the default {_default(field)}")
+                argv += [token for item in value for token in (name, str(item))]
+            elif value is None:
+                if field.name in explicit and _default(field) is None:
+                    continue  # None is the default, and no option says it
+                raise ValueError(f"{name}: None cannot be given over the default {_default(field)!r}")
+            else:
+                argv += [name, str(value)]
+    return argv
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
