@@ -29,59 +29,55 @@ DATA_HELP = (
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """What one process trains, on which data, for how long."""
+class ModelAndData:
+    """What a local run and a swarm's run both define: the model, the batch and the data (defined once here)."""
 
     preset: str = field(default="small", metadata={"help": "Model preset: tiny, small, 178m, 560m or 1b."})
-    steps: int = field(default=600, metadata={"help": "Total inner steps (sets the length of the cosine schedule)."})
-    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step."})
-    seq_len: int = field(default=256, metadata={"help": "Tokens per sequence."})
-    eval_every: int = field(default=100, metadata={"help": "Evaluate held-out loss every N inner steps."})
-    eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation."})
-    seed: int = field(default=0, metadata={"help": "Seed for weights and data order."})
-    data: Path | None = field(
-        default=None,
-        metadata={"help": DATA_HELP},
-    )
+    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step (per replica in a swarm)."})
+    seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
+    seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
+    data: Path | None = field(default=None, metadata={"help": DATA_HELP})
     tokenizer: Path | None = field(
         default=None, metadata={"help": "A Hugging Face tokenizer.json (default: byte-level, no file needed)."}
     )
     cache_dir: Path | None = field(
         default=None, metadata={"help": "Corpus and token cache (default: $HETERO_NODE_CACHE or ~/.cache/hetero-node)."}
     )
+
+    def __post_init__(self) -> None:
+        require_positive(self, "batch_size", "seq_len")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must not be negative, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class TrainConfig(ModelAndData):
+    """What one process trains, on which data, for how long."""
+
+    help_panel: ClassVar[str] = "Training"
+    seq_len: int = field(default=256, metadata={"help": "Tokens per sequence."})
+    steps: int = field(default=600, metadata={"help": "Total inner steps (sets the length of the cosine schedule)."})
+    eval_every: int = field(default=100, metadata={"help": "Evaluate held-out loss every N inner steps."})
+    eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (CUDA when available)."})
     compile: bool = field(
         default=True, metadata={"help": "torch.compile the training step on CUDA (CPU always trains eagerly)."}
     )
 
     def __post_init__(self) -> None:
-        require_positive(self, "steps", "batch_size", "seq_len", "eval_every", "eval_batches")
+        super().__post_init__()
+        require_positive(self, "steps", "eval_every", "eval_batches")
 
 
 @dataclass(frozen=True)
-class RunOptions:
+class RunOptions(ModelAndData):
     """The model, batch and data part of the run definition (the rest: OuterConfig, OptimConfig, SparseLoCoConfig)."""
 
-    preset: str = field(default="small", metadata={"help": "Model preset: tiny, small, 178m, 560m or 1b."})
-    batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
-    seq_len: int = field(default=128, metadata={"help": "Tokens per sequence."})
-    seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
     data_shards: int = field(default=16, metadata={"help": "The corpus is cut into this many disjoint shards."})
-    data: Path | None = field(
-        default=None,
-        metadata={"help": DATA_HELP},
-    )
-    tokenizer: Path | None = field(
-        default=None, metadata={"help": "A Hugging Face tokenizer.json (default: byte-level, no file needed)."}
-    )
-    cache_dir: Path | None = field(
-        default=None, metadata={"help": "Corpus and token cache (default: $HETERO_NODE_CACHE or ~/.cache/hetero-node)."}
-    )
 
     def __post_init__(self) -> None:
-        require_positive(self, "batch_size", "seq_len", "data_shards")
-        if self.seed < 0:
-            raise ConfigError(f"--seed must not be negative, got {self.seed}")
+        super().__post_init__()
+        require_positive(self, "data_shards")
 
 
 @dataclass(frozen=True)
