@@ -20,9 +20,11 @@ from rich.live import Live
 from rich.table import Table
 
 from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError, require_positive
-from hetero_node.protocol.run_config import OuterConfig
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -85,31 +87,28 @@ class DemoConfig:
 
 def run_args(cfg: DemoConfig) -> list[str]:
     """The run definition the demo's bootstrap announces (replicas learn it from there)."""
-    return [
-        "--preset", cfg.preset, "--rounds", str(cfg.rounds), "--inner-steps", str(cfg.inner_steps),
-        "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--stages", str(cfg.stages),
-        "--outer", cfg.outer, "--diloco-wire", cfg.diloco_wire,
-        "--lr", str(cfg.lr), "--warmup-steps", str(min(50, cfg.inner_steps)),
-        "--activation-compression", cfg.activation_compression, "--subspace-rank", str(cfg.subspace_rank),
-        "--round-s", str(cfg.round_s), "--target-utilisation", str(cfg.target_utilisation),
-        "--min-inner-steps", str(cfg.min_inner_steps),
-        "--max-inner-steps", str(cfg.max_inner_steps), "--seed", str(cfg.seed),
-        "--max-contributors", str(cfg.max_contributors), *(["--overlap"] if cfg.overlap else []),
-    ]  # fmt: skip
+    run = RunOptions(preset=cfg.preset, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    outer = OuterConfig(
+        outer=cfg.outer, inner_steps=cfg.inner_steps, rounds=cfg.rounds, stages=cfg.stages,
+        diloco_wire=cfg.diloco_wire, max_contributors=cfg.max_contributors, round_s=cfg.round_s,
+        target_utilisation=cfg.target_utilisation, min_inner_steps=cfg.min_inner_steps,
+        max_inner_steps=cfg.max_inner_steps, overlap=cfg.overlap,
+    )  # fmt: skip
+    optim = OptimConfig(lr=cfg.lr, warmup_steps=min(OptimConfig.warmup_steps, cfg.inner_steps))
+    pipeline = PipelineConfig(activation_compression=cfg.activation_compression, subspace_rank=cfg.subspace_rank)
+    return to_argv(run, outer, optim, pipeline)
 
 
 def peer_args(cfg: DemoConfig, peers: str, name: str, workdir: Path) -> list[str]:
     """The `hetero-node join` command line of peer `name`: only node options, as a volunteer would type. Stage
     peers pin their stage, so the planner fills one virtual replica after another."""
-    index = cfg.peers.index(name)
-    if name.startswith("replica"):
-        role = ["--role", "full", "--checkpoint-dir", str(workdir / f"{name}.ckpt")]
-    else:
-        role = ["--role", "stage", "--stage", name.rsplit("stage", 1)[1]]
-    return [
-        "join", "--peers", peers, *role, "--replica-id", str(index), "--metrics", str(workdir / f"{name}.jsonl"),
-        "--min-peers", str(cfg.full + cfg.virtual), "--quiet",
-    ]  # fmt: skip
+    full = name.startswith("replica")
+    node = NodeConfig(
+        peers=[peers], replica_id=cfg.peers.index(name), metrics=workdir / f"{name}.jsonl",
+        checkpoint_dir=workdir / f"{name}.ckpt" if full else None, min_peers=cfg.full + cfg.virtual,
+    )  # fmt: skip
+    role = ["--role", "full"] if full else ["--role", "stage", "--stage", name.rsplit("stage", 1)[1]]
+    return ["join", *role, *to_argv(node), "--quiet"]
 
 
 def build_report(metrics_files: list[Path]) -> dict[str, Any]:

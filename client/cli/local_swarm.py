@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.bootstrap.join_line import JOIN_LINE
-from hetero_node.client.cli.options import env_name
+from hetero_node.client.cli.options import env_name, to_argv
 from hetero_node.protocol.errors import HeteroNodeError
 
 
@@ -111,9 +112,8 @@ class LocalSwarm:
     def start_bootstrap(self, run_args: list[str], timeout: float = 90.0) -> str:
         """Start a bootstrap announcing the run `run_args` define, on a free loopback port; returns its multiaddr
         once it printed the join line."""
-        identity = self.workdir / "bootstrap.id"
-        command = ["bootstrap", "--host", self.host("bootstrap"), "--port", "0", "--identity", str(identity), *run_args]
-        self.start("bootstrap", command)
+        where = BootstrapConfig(host=self.host("bootstrap"), port=0, identity=self.workdir / "bootstrap.id")
+        self.start("bootstrap", ["bootstrap", *to_argv(where, explicit={"host"}), *run_args])
         self.bootstrap_maddr = self.join_line("bootstrap", timeout)
         return self.bootstrap_maddr
 
