@@ -27,6 +27,8 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import SUBSPACE_METHODS, SimConfig
 from hetero_node.bench.sim_replicas import CPU, SimFullReplica, SimReplica, SimVirtualReplica, global_model
+from hetero_node.bench.sim_report import write_report
+from hetero_node.bench.sim_traffic import messages_moved, table_upkeep_bytes
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.replica import STEP_STRIDE
 from hetero_node.models.config import get_preset
@@ -104,31 +106,6 @@ def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, stor
         pipeline=PipelineConfig(activation_compression=compression, microbatches=cfg.microbatches,
                                 subspace_rank=max(1, d_model // cell.rank_divisor) if cell.rank_divisor else 0),
     )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------ traffic
-
-
-def messages_moved(method: str, replicas: int, inner_steps: int, contributors: int = 0) -> float:
-    """How many of its own messages' worth one replica moves per round: SparseLoCo's members each download every
-    other member's message (R − 1); a dense all-reduce (DiLoCo's butterfly, ddp's ring) sends 2(R−1)/R of the
-    buffer, ddp once per inner step. With K < R contributors a round moves K messages to R − 1 members each
-    (the relay trees spread the uploads), K(R − 1)/R per replica."""
-    if method == "ddp":
-        return inner_steps * 2 * (replicas - 1) / replicas
-    if 0 < contributors < replicas:
-        return contributors * (replicas - 1) / replicas
-    if method == "diloco":
-        return 2 * (replicas - 1) / replicas
-    return replicas - 1
-
-
-def table_upkeep_bytes(run: RunConfig, change_bytes: int) -> int:
-    """What every stage after the first of a virtual replica downloads after each outer step to keep T_fixed: the
-    entries of E_S the step changed (`change_bytes`, one `embedding_change`'s tensors)."""
-    if not (run.uses_subspace and run.pipeline.drift_transfer):
-        return 0
-    return (run.outer.stages - 1) * change_bytes
 
 
 # -------------------------------------------------------------------------------------------- the rounds
@@ -324,8 +301,6 @@ def _run_in_worker(cfg: SimConfig, cell: Cell, seed: int) -> dict[str, Any]:
 def run_sim(cfg: SimConfig, progress: Progress) -> dict[str, Any]:
     """Every cell for every seed (a progress bar per run, or per sweep with `--jobs`); writes report.json after
     each run (an interrupted sweep keeps what finished), then report.md and the plots."""
-    from hetero_node.bench.sim_report import write_report
-
     if cfg.report_only:
         return write_report(json.loads((cfg.out / "report.json").read_text()), cfg.out)
     runs = [(cell, seed) for cell in grid(cfg) for seed in range(cfg.seeds)]

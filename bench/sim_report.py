@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero_node.bench.config import SIM_METHODS
-from hetero_node.bench.sim import messages_moved
+from hetero_node.bench.sim_traffic import messages_moved
 
 WITHIN = 0.03
 """Finding 1's tolerance: SparseLoCo "reaches" DiLoCo's eval loss when within 3% of it."""
