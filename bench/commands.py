@@ -7,10 +7,16 @@ same run options. Pure functions of the config, so they are unit-tested without 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
 
-from hetero_node.bench.config import BenchConfig
+from hetero_node.bench.config import BenchConfig, DDPWorkerConfig
 from hetero_node.bench.topology import NodeSpec, Topology
+from hetero_node.bootstrap.config import BootstrapConfig
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig
 
 CLI = [sys.executable, "-m", "hetero_node.client.cli"]
 LAB = [sys.executable, "-m", "hetero_node.bench"]
@@ -20,34 +26,41 @@ BOOTSTRAP_PORT = 31337
 DDP_PORT = 29500
 SWARM_LOG_LEVEL = "INFO"
 
-# Per swarm method: the role each node asks for (None: its topology role) and the bootstrap's extra run options.
-SWARM_METHODS: dict[str, tuple[str | None, list[str]]] = {
-    "diloco": ("full", ["--outer", "diloco", "--diloco-wire", "fp32"]),
-    "sparseloco": ("full", ["--outer", "sparseloco"]),
-    "hetero": (None, ["--activation-compression", "subspace"]),
-    "compress-all": (None, ["--activation-compression", "compress-all"]),
-}
+SWARM_METHODS: dict[str, str | None] = {"diloco": "full", "sparseloco": "full", "hetero": None, "compress-all": None}
+"""Per swarm method, the role each node asks for (None: its topology role)."""
 
 
-def run_options(cfg: BenchConfig, method: str) -> list[str]:
+def run_configs(cfg: BenchConfig, method: str) -> tuple[RunOptions, OuterConfig, OptimConfig]:
     """The model, data and schedule every method shares (same preset, data, LR schedule), and its budget."""
-    return [
-        "--preset", cfg.preset, "--rounds", str(cfg.rounds_for(method)), "--inner-steps", str(cfg.inner_steps),
-        "--batch-size", str(cfg.batch_size), "--seq-len", str(cfg.seq_len), "--stages", str(cfg.stages),
-        "--lr", str(cfg.lr), "--warmup-steps", str(cfg.warmup_steps),
-    ]  # fmt: skip
+    return (
+        RunOptions(preset=cfg.preset, batch_size=cfg.batch_size, seq_len=cfg.seq_len),
+        OuterConfig(rounds=cfg.rounds_for(method), inner_steps=cfg.inner_steps, stages=cfg.stages),
+        OptimConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps),
+    )
+
+
+def method_configs(cfg: BenchConfig, method: str) -> tuple[RunOptions, OuterConfig, OptimConfig, PipelineConfig]:
+    """A swarm method's run: the shared part, its outer method or boundaries, and the rounds' timing."""
+    run, outer, optim = run_configs(cfg, method)
+    outer = dataclasses.replace(outer, round_s=cfg.round_s, overlap=cfg.overlap)
+    pipeline = PipelineConfig()
+    if method == "diloco":
+        outer = dataclasses.replace(outer, outer="diloco", diloco_wire="fp32")
+    elif method == "sparseloco":
+        outer = dataclasses.replace(outer, outer="sparseloco")
+    else:  # the planner's virtual replicas (hetero), or every replica one (compress-all)
+        compression = "subspace" if method == "hetero" else "compress-all"
+        pipeline = PipelineConfig(activation_compression=compression, subspace_rank=cfg.subspace_rank)
+    return run, outer, optim, pipeline
 
 
 def bootstrap_argv(cfg: BenchConfig, method: str, address: str, identity: str) -> list[str]:
-    extra = [*SWARM_METHODS[method][1], "--round-s", str(cfg.round_s), *(["--overlap"] if cfg.overlap else [])]
-    if method in ("hetero", "compress-all"):
-        extra += ["--subspace-rank", str(cfg.subspace_rank)]
-    return [*CLI, "bootstrap", "--host", address, "--port", str(BOOTSTRAP_PORT), "--identity", identity,
-            *run_options(cfg, method), *extra]  # fmt: skip
+    where = BootstrapConfig(host=address, port=BOOTSTRAP_PORT, identity=Path(identity))
+    return [*CLI, "bootstrap", *to_argv(where, *method_configs(cfg, method), explicit={"port"})]
 
 
 def node_role(method: str, spec: NodeSpec) -> str:
-    return SWARM_METHODS[method][0] or spec.role
+    return SWARM_METHODS[method] or spec.role
 
 
 def expected_replicas(method: str, topology: Topology, stages: int) -> int:
@@ -57,7 +70,7 @@ def expected_replicas(method: str, topology: Topology, stages: int) -> int:
     become full replicas, the rest virtual replicas of `stages` nodes each; compress-all makes every replica
     virtual.
     """
-    if SWARM_METHODS[method][0] == "full":
+    if SWARM_METHODS[method] == "full":
         return len(topology.nodes)
     edges = set(topology.edge_nodes)
     full = 0 if method == "compress-all" else sum(
@@ -70,21 +83,19 @@ def join_argv(
     cfg: BenchConfig, method: str, topology: Topology, index: int, address: str, peers: str, metrics: str
 ) -> list[str]:
     spec = topology.nodes[index]
-    argv = [
-        *CLI, "--log-level", SWARM_LOG_LEVEL, "join", "--peers", peers, "--host", address,
-        "--role", node_role(method, spec), "--replica-id", str(index), "--metrics", metrics,
-        "--min-peers", str(expected_replicas(method, topology, cfg.stages)),
-        "--eval-batches", str(cfg.eval_batches), "--quiet",
-    ]  # fmt: skip
-    if spec.memory_gb is not None and node_role(method, spec) != "full":  # the planner decides: tell it
-        argv += ["--memory-gb", f"{spec.memory_gb:g}"]
-    if cfg.measure_bandwidth:
-        return [*argv, "--remeasure-bandwidth"]
-    return [*argv, "--bandwidth-mbps", f"{spec.link_mbit:g}"]
+    role = node_role(method, spec)
+    node = NodeConfig(
+        peers=[peers], host=address, replica_id=index, metrics=Path(metrics), eval_batches=cfg.eval_batches,
+        min_peers=expected_replicas(method, topology, cfg.stages),
+        memory_gb=spec.memory_gb if role != "full" else None,  # the planner decides: tell it
+        remeasure_bandwidth=cfg.measure_bandwidth, bandwidth_mbps=None if cfg.measure_bandwidth else spec.link_mbit,
+    )  # fmt: skip
+    return [*CLI, "--log-level", SWARM_LOG_LEVEL, "join", "--role", role, *to_argv(node), "--quiet"]
 
 
 def ddp_argv(cfg: BenchConfig, rank: int, world_size: int, master_address: str, metrics: str) -> list[str]:
-    return [
-        *DDP, "--rank", str(rank), "--world-size", str(world_size), "--master", f"{master_address}:{DDP_PORT}",
-        "--metrics", metrics, "--eval-batches", str(cfg.eval_batches), *run_options(cfg, "ddp"),
-    ]  # fmt: skip
+    worker = DDPWorkerConfig(
+        rank=rank, world_size=world_size, master=f"{master_address}:{DDP_PORT}", metrics=Path(metrics),
+        eval_batches=cfg.eval_batches,
+    )  # fmt: skip
+    return [*DDP, *to_argv(worker, *run_configs(cfg, "ddp"))]

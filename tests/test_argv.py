@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import typer
+from command_lines import parse_argv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from hetero_node.bench.config import DDPWorkerConfig
 from hetero_node.bootstrap.config import BootstrapConfig, RelayConfig
-from hetero_node.client.cli.app import app
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import ENV_PREFIX, expand_dataclass_options, to_argv
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts, TrainConfig
@@ -107,14 +107,6 @@ def test_a_config_written_as_options_parses_back_to_itself(command: str, data: s
     assert seen == [given_configs], argv
 
 
-def parse(command: str, argv: list[str]) -> tuple[dict[str, Any], set[str]]:
-    """The parameters the product's real `command` gets from `argv` (nothing runs), and which were given."""
-    click_command = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
-    context = click_command.make_context(command, list(argv))
-    given = {n for n in context.params if getattr(context.get_parameter_source(n), "name", None) == "COMMANDLINE"}
-    return context.params, given
-
-
 def test_the_products_commands_take_the_options_to_argv_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in no_environment():
         monkeypatch.delenv(name)
@@ -129,7 +121,8 @@ def test_the_products_commands_take_the_options_to_argv_writes(monkeypatch: pyte
         "demo": (DemoConfig(full=3, virtual=0, overlap=True, report=Path("demo.json")),),
     }
     for command, given_configs in cases.items():
-        params, given = parse(command, to_argv(*given_configs))
+        parsed, params, given = parse_argv([command, *to_argv(*given_configs)])
+        assert parsed == command
         for config in given_configs:
             names = [f.name for f in dataclasses.fields(config)]
             assert type(config)(**{n: params[n] for n in names}) == config, command
@@ -158,6 +151,12 @@ def test_only_fields_away_from_their_defaults_are_written_unless_named_explicit(
         "--peers", "/a", "--peers", "/b", "--checkpoint-dir", "r0.ckpt", "--metrics-port", "0",
     ]  # fmt: skip
     assert to_argv(NodeConfig(), explicit={"metrics_port"}) == [], "None is the default, and no option says it"
+    assert to_argv(OuterConfig(round_s=20.0, target_utilisation=0.5)) == [
+        "--round-s",
+        "20",
+        "--target-utilisation",
+        "0.5",
+    ]
 
 
 def test_what_no_option_can_say_is_refused() -> None:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from command_lines import parse_argv
 from factories import run_config
 
 from hetero_node.bench.commands import bootstrap_argv, ddp_argv, expected_replicas, join_argv
@@ -117,34 +118,36 @@ def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
     cfg = BenchConfig(preset="tiny", rounds=2, inner_steps=5, subspace_rank=8)
     hetero = load_topology(Path("hetero"))
 
-    def after(argv: list[str], option: str) -> str:
-        return argv[argv.index(option) + 1]
+    def options(argv: list[str], *names: str) -> tuple[Any, ...]:
+        """What the started command gets for `names`, however the command line spells it."""
+        params = parse_argv(argv)[1]
+        return tuple(params[name] for name in names)
 
     diloco = bootstrap_argv(cfg, "diloco", "10.0.0.1", "b.id")
-    assert (after(diloco, "--outer"), after(diloco, "--diloco-wire"), after(diloco, "--inner-steps")) == (
-        "diloco", "fp32", "5",
+    assert options(diloco, "outer", "diloco_wire", "inner_steps", "host", "port") == (
+        "diloco", "fp32", 5, "10.0.0.1", 31337,
     )  # fmt: skip
-    assert "--activation-compression" not in diloco and "--subspace-rank" not in diloco
-    assert "--overlap" not in diloco and after(diloco, "--round-s") == "0.0"
+    assert options(diloco, "activation_compression", "subspace_rank", "overlap", "round_s") == ("subspace", 0, False, 0)
     overlapped = bootstrap_argv(BenchConfig(round_s=20, overlap=True), "sparseloco", "10.0.0.1", "b.id")
-    assert "--overlap" in overlapped and after(overlapped, "--round-s") == "20"
+    assert options(overlapped, "outer", "overlap", "round_s") == ("sparseloco", True, 20)
     assert expected_replicas("hetero", load_topology(Path("mixed-speed")), 2) == 4  # 3 full, and the edge pipeline
     compress_all = bootstrap_argv(cfg, "compress-all", "10.0.0.1", "b.id")
-    assert (after(compress_all, "--activation-compression"), after(compress_all, "--subspace-rank")) == (
-        "compress-all", "8",
-    )  # fmt: skip
+    assert options(compress_all, "activation_compression", "subspace_rank") == ("compress-all", 8)
+    assert options(bootstrap_argv(cfg, "hetero", "10.0.0.1", "b.id"), "activation_compression") == ("subspace",)
     edge = join_argv(cfg, "sparseloco", hetero, 2, "10.0.0.4", "/ip4/x", "edge0.jsonl")
-    assert (after(edge, "--role"), after(edge, "--bandwidth-mbps"), after(edge, "--min-peers")) == ("full", "50", "4")
-    assert after(join_argv(cfg, "hetero", hetero, 2, "10.0.0.4", "/ip4/x", "m"), "--role") == "auto"
+    assert options(edge, "role", "bandwidth_mbps", "min_peers", "peers", "host") == (
+        "full", 50, 4, ["/ip4/x"], "10.0.0.4",
+    )  # fmt: skip
+    assert options(join_argv(cfg, "hetero", hetero, 2, "10.0.0.4", "/ip4/x", "m"), "role") == ("auto",)
     assert expected_replicas("hetero", hetero, 2) == 3  # the datacenter nodes, and the edge nodes' pipeline
     assert expected_replicas("compress-all", hetero, 2) == 2
-    assert after(join_argv(cfg, "hetero", hetero, 2, "10.0.0.4", "/ip4/x", "m"), "--memory-gb") == "0.3"
-    assert "--memory-gb" not in edge  # a pinned full replica: the cap is the planner's business only
+    assert options(join_argv(cfg, "hetero", hetero, 2, "10.0.0.4", "/ip4/x", "m"), "memory_gb") == (0.3,)
+    assert options(edge, "memory_gb") == (None,)  # a pinned full replica: the cap is the planner's business only
     measured = join_argv(BenchConfig(measure_bandwidth=True), "hetero", hetero, 0, "10.0.0.2", "/ip4/x", "m")
-    assert "--remeasure-bandwidth" in measured and "--bandwidth-mbps" not in measured
+    assert options(measured, "remeasure_bandwidth", "bandwidth_mbps") == (True, None)
     ddp = ddp_argv(cfg, 1, 4, "10.0.0.2", "dc1.jsonl")
-    assert (after(ddp, "--rank"), after(ddp, "--world-size"), after(ddp, "--master")) == ("1", "4", "10.0.0.2:29500")
-    assert after(ddp, "--rounds") == "2"
+    assert parse_argv(ddp)[0] == "ddp-rank"
+    assert options(ddp, "rank", "world_size", "master", "rounds", "inner_steps") == (1, 4, "10.0.0.2:29500", 2, 5)
 
 
 def test_swarm_methods_can_get_a_larger_budget_than_ddp() -> None:

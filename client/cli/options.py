@@ -119,8 +119,9 @@ def to_argv(*configs: Any, explicit: Collection[str] = ()) -> list[str]:
     Only fields that differ from their default are given, so a command line stays short and a joiner passes no run
     option it did not mean (its explicit run options must agree with the swarm's); fields named in `explicit` are
     given even at their default, where being explicit matters (it wins over an environment variable and a
-    `--config` file). A path becomes its string, a flag `--x` or `--no-x`, a list one `--x VALUE` per item; a value
-    an option cannot say (None, or an empty list, over a default that is neither) is a ValueError."""
+    `--config` file). A path becomes its string, a flag `--x` or `--no-x`, a list one `--x VALUE` per item, a
+    whole float loses its `.0`; a value an option cannot say (None, or an empty list, over a default that is
+    neither) is a ValueError."""
     argv: list[str] = []
     for config in configs:
         if not (dataclasses.is_dataclass(config) and not isinstance(config, type)):
@@ -143,8 +144,15 @@ def to_argv(*configs: Any, explicit: Collection[str] = ()) -> list[str]:
                     continue  # None is the default, and no option says it
                 raise ValueError(f"{name}: None cannot be given over the default {_default(field)!r}")
             else:
-                argv += [name, str(value)]
+                argv += [name, _text(value)]
     return argv
+
+
+def _text(value: Any) -> str:
+    """An option's value as typed: 20.0 as "20" (the option parses it back to 20.0), any other float exactly."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
 
 
 def _default(field: dataclasses.Field) -> Any:
