@@ -11,7 +11,7 @@ import pytest
 from hetero_node.client.cli.progress import RoundLog
 from hetero_node.client.node.run_definition import load_run_file
 from hetero_node.client.roles.metrics import RoundRecord
-from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
+from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
 from hetero_node.protocol.errors import ConfigError, PeerAddressError
 
 PEER_ID = "QmRn24WFzfXyfBffZYEyQFiwoAwZdQXX61HnGwmvTJbtSr"

@@ -21,8 +21,9 @@ from hetero_node.client.node.join import role_for_run
 from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, CheckpointWriter, load_checkpoint, save_checkpoint
+from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
 from hetero_node.client.swarm.planner import Requirements
-from hetero_node.client.swarm.runtime import MAX_RECORD_LIFETIME_S, latest_valid_records, parse_peer_multiaddrs
+from hetero_node.client.swarm.record_reader import MAX_RECORD_LIFETIME_S, latest_valid_records
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig

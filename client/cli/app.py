@@ -166,7 +166,8 @@ def bootstrap(
     from hetero_node.client.monitor.health import Health
     from hetero_node.client.monitor.http_server import open_dashboard
     from hetero_node.client.monitor.snapshot import read_snapshot
-    from hetero_node.client.swarm.runtime import p2pd_alive, read_peer_records
+    from hetero_node.client.swarm.record_reader import read_peer_records
+    from hetero_node.client.swarm.runtime import p2pd_alive
 
     def readiness() -> tuple[bool, str]:
         if node.announced.is_set():
@@ -206,7 +207,7 @@ def join(
     """Join a swarm: learn its run from the bootstrap, measure this node, take the role that helps most, train."""
     from hetero_node.client.cli.progress import ROUND_LOG, RoundLog
     from hetero_node.client.node.join import run_node
-    from hetero_node.client.swarm.runtime import parse_peer_multiaddrs
+    from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
 
     if not node.peers:
         raise ConfigError("--peers is required: the multiaddr printed by `hetero-node bootstrap`")

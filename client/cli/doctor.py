@@ -55,8 +55,9 @@ def _loopback(host: str) -> bool:
 def diagnose(peers: list[str], host: str, port: int) -> list[Check]:
     """Run the checks in order; a failure that makes the later ones meaningless ends the list."""
     from hetero_node.client.node.run_definition import fetch_run_announcement
+    from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
     from hetero_node.client.swarm.reachability import check_reachability
-    from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
+    from hetero_node.client.swarm.runtime import PeerRuntime
 
     checks = [_p2pd_check()]
     if checks[0].ok is False:

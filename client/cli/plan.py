@@ -106,8 +106,9 @@ def read_live_swarm(peers: list[str]) -> tuple[RunConfig, list[PeerInfo], Assign
     """The announced run, every node as the live planner sees it (a relayed one at its share of the relay), and
     the assignment the records hold (virtual replicas with every stage held)."""
     from hetero_node.client.node.run_definition import fetch_run_announcement
+    from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
     from hetero_node.client.swarm.membership import peer_info, relay_shares
-    from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
+    from hetero_node.client.swarm.runtime import PeerRuntime
 
     runtime = PeerRuntime(parse_peer_multiaddrs([p for arg in peers for p in arg.replace(",", " ").split()]),
                           client_mode=True)  # fmt: skip

@@ -21,7 +21,8 @@ from rich.table import Table
 from hetero_node.client.monitor.http_server import open_dashboard
 from hetero_node.client.monitor.snapshot import read_snapshot
 from hetero_node.client.node.run_definition import fetch_run_announcement
-from hetero_node.client.swarm.runtime import PeerRuntime, parse_peer_multiaddrs
+from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
+from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
 
 

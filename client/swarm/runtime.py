@@ -21,18 +21,20 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hetero_node.client.swarm.addresses import IDENTITY_TAKEN, identity_taken, join_failure, parse_peer_multiaddrs
 from hetero_node.client.swarm.reachability import PeerDialer, relay_addresses
+from hetero_node.client.swarm.record_reader import read_dictionary, read_peer_records
 from hetero_node.protocol.errors import ConfigError, DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
-from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
+from hetero_node.protocol.identity import create_identity, load_identity
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.rate_limit import PeerBudget
 from hetero_node.protocol.reachability import register_dialback_handler
-from hetero_node.protocol.records import PeerRecord, base_validators, parse_peer_record, run_validators
+from hetero_node.protocol.records import PeerRecord, base_validators, run_validators
 from hetero_node.protocol.socket_dir import use_private_socket_dir
-from hetero_node.protocol.swarm_key import MemberProofValidator, is_member
+from hetero_node.protocol.swarm_key import MemberProofValidator
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")
@@ -62,118 +64,6 @@ offset (through a relay) counts as the share of the blob it asks for."""
 RECORDS_REREAD_S = 1.0
 """Least time between two reads of the records made on demand: for an unknown peer asking for a blob (private
 swarms) and for a failed fetch (the peer may have moved to new addresses)."""
-
-
-EXAMPLE_PEER_MULTIADDR = "/ip4/1.2.3.4/tcp/31337/p2p/QmXa9QgKi..."
-"""How a peer's address looks in messages (hetero-node's RSA keys give Qm… peer ids)."""
-
-
-def parse_peer_multiaddrs(addresses: list[str]) -> list[str]:
-    """Validate `--peers` values: each must be a full multiaddr ending in /p2p/<peer id>."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    parsed = []
-    for address in addresses:
-        try:
-            maddr = Multiaddr(address)
-        except Exception as e:  # multiaddr raises several unrelated types for malformed input
-            raise PeerAddressError(f"{address!r} is not a peer multiaddr like {EXAMPLE_PEER_MULTIADDR} ({e})") from None
-        if "/p2p/" not in str(maddr):
-            raise PeerAddressError(
-                f"{address!r} lacks the /p2p/<peer id> part that names the peer: copy the whole address the "
-                f"bootstrap printed, like {EXAMPLE_PEER_MULTIADDR}"
-            )
-        parsed.append(str(maddr))
-    return parsed
-
-
-def join_failure(peers: list[str], error: Exception) -> str:
-    """What to tell a user whose node could not start through `peers`: p2pd says only "Daemon failed to start"
-    when no peer answered, which reads like a local fault."""
-    if "failed to connect to bootstrap peers" not in str(error):
-        return f"could not join the swarm through {peers}: {error}"
-    return (
-        f"no peer answered at {', '.join(peers)}: check that the bootstrap is running, that the address (host, port "
-        "and /p2p/ id) is exactly the line it printed, and that no firewall between here and there blocks that TCP "
-        "port (`hetero-node doctor --peers ...` checks the way)"
-    )
-
-
-IDENTITY_TAKEN = "is already taken by another peer"
-"""How hivemind's check_if_identity_free says that a live peer of the swarm answers to this key's peer id."""
-
-
-def identity_taken(identity: Path) -> str:
-    """Why a second node with a live node's key is refused: one peer id for two nodes would have each overwrite the
-    other's record (and pipeline slot) in everyone's view."""
-    from hivemind.p2p import PeerID
-
-    peer = PeerID.from_identity(identity.read_bytes())
-    return (
-        f"{identity}: a node with this identity (peer id {peer}) is already live in the swarm; stop it first, "
-        "or give this node an --identity (or --checkpoint-dir) of its own"
-    )
-
-
-MAX_RECORDS = 4096
-"""Records of one run a reader takes into account (hivemind answers a DHT get with at most 4 MiB; a record is
-well under 1 KB)."""
-MAX_RECORD_LIFETIME_S = 600.0
-"""A record counts as live for at most this long past now, whatever expiration its writer chose (records are
-refreshed every few seconds; a far expiration would keep a dead or hostile peer in everyone's view)."""
-
-
-def latest_valid_records(
-    found: dict[Any, tuple[Any, float]], now: float, swarm_key: bytes | None = None, limit: int = MAX_RECORDS
-) -> dict[str, tuple[PeerRecord, float]]:
-    """(record, expiration) of the records that pass the schema and are signed by the key of the peer id they
-    claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery. In a
-    private swarm, so is one without a valid member proof. At most `limit`, the lowest peer ids (every reader
-    keeps the same ones), so a flood of records costs the planner a bounded amount."""
-    best: dict[str, tuple[PeerRecord, float]] = {}
-    for subkey, (value, expiration) in found.items():
-        record = parse_peer_record(value)
-        if record is None or owner_peer_id(subkey) != record.peer_id:
-            continue
-        if not is_member(swarm_key, record.peer_id, record.member_proof):
-            continue
-        best[record.peer_id] = (record, min(expiration, now + MAX_RECORD_LIFETIME_S))
-    if len(best) > limit:
-        logger.warning("%d peer records in the run; reading the first %d by peer id", len(best), limit)
-        best = {pid: best[pid] for pid in sorted(best)[:limit]}
-    return best
-
-
-def read_dictionary(
-    dht: Any, key: str, timeout: float, lock: contextlib.AbstractContextManager = contextlib.nullcontext()
-) -> dict[Any, tuple[Any, float]] | None:
-    """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer in time.
-    `lock` guards only the request (the DHT's pipe), not the wait."""
-    with lock:
-        future = dht.get(key, latest=True, return_future=True)
-    try:
-        found = future.result(timeout)
-    except Exception as e:  # a DHT that does not answer must not stall training (hivemind pitfall H)
-        logger.warning("reading %s from the DHT failed: %r", key, e)
-        return None
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    return {k: (v.value, v.expiration_time) for k, v in found.value.items()}
-
-
-def read_peer_records(
-    dht: Any,
-    run_id: str,
-    swarm_key: bytes | None,
-    timeout: float,
-    lock: contextlib.AbstractContextManager = contextlib.nullcontext(),
-) -> dict[str, tuple[PeerRecord, float]] | None:
-    """The run's valid peer records with their expiration times (None: the DHT did not answer); used by peers
-    and by the bootstrap's dashboard, which reads its own DHT."""
-    from hivemind.utils import get_dht_time
-
-    found = read_dictionary(dht, peers_key(run_id), timeout, lock)
-    return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key)
 
 
 def not_served(kind: str) -> str:

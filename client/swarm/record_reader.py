@@ -1,0 +1,75 @@
+"""Reading the run's peer records from the DHT: only records signed by the key of the peer id they claim (and, in
+a private swarm, with a member proof) count, and at most a bounded number of them, each live for a bounded time."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from hetero_node.protocol.identity import owner_peer_id
+from hetero_node.protocol.keys import peers_key
+from hetero_node.protocol.records import PeerRecord, parse_peer_record
+from hetero_node.protocol.swarm_key import is_member
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORDS = 4096
+"""Records of one run a reader takes into account (hivemind answers a DHT get with at most 4 MiB; a record is
+well under 1 KB)."""
+MAX_RECORD_LIFETIME_S = 600.0
+"""A record counts as live for at most this long past now, whatever expiration its writer chose (records are
+refreshed every few seconds; a far expiration would keep a dead or hostile peer in everyone's view)."""
+
+
+def latest_valid_records(
+    found: dict[Any, tuple[Any, float]], now: float, swarm_key: bytes | None = None, limit: int = MAX_RECORDS
+) -> dict[str, tuple[PeerRecord, float]]:
+    """(record, expiration) of the records that pass the schema and are signed by the key of the peer id they
+    claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery. In a
+    private swarm, so is one without a valid member proof. At most `limit`, the lowest peer ids (every reader
+    keeps the same ones), so a flood of records costs the planner a bounded amount."""
+    best: dict[str, tuple[PeerRecord, float]] = {}
+    for subkey, (value, expiration) in found.items():
+        record = parse_peer_record(value)
+        if record is None or owner_peer_id(subkey) != record.peer_id:
+            continue
+        if not is_member(swarm_key, record.peer_id, record.member_proof):
+            continue
+        best[record.peer_id] = (record, min(expiration, now + MAX_RECORD_LIFETIME_S))
+    if len(best) > limit:
+        logger.warning("%d peer records in the run; reading the first %d by peer id", len(best), limit)
+        best = {pid: best[pid] for pid in sorted(best)[:limit]}
+    return best
+
+
+def read_dictionary(
+    dht: Any, key: str, timeout: float, lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+) -> dict[Any, tuple[Any, float]] | None:
+    """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer in time.
+    `lock` guards only the request (the DHT's pipe), not the wait."""
+    with lock:
+        future = dht.get(key, latest=True, return_future=True)
+    try:
+        found = future.result(timeout)
+    except Exception as e:  # a DHT that does not answer must not stall training (hivemind pitfall H)
+        logger.warning("reading %s from the DHT failed: %r", key, e)
+        return None
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {k: (v.value, v.expiration_time) for k, v in found.value.items()}
+
+
+def read_peer_records(
+    dht: Any,
+    run_id: str,
+    swarm_key: bytes | None,
+    timeout: float,
+    lock: contextlib.AbstractContextManager = contextlib.nullcontext(),
+) -> dict[str, tuple[PeerRecord, float]] | None:
+    """The run's valid peer records with their expiration times (None: the DHT did not answer); used by peers
+    and by the bootstrap's dashboard, which reads its own DHT."""
+    from hivemind.utils import get_dht_time
+
+    found = read_dictionary(dht, peers_key(run_id), timeout, lock)
+    return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key)
