@@ -31,33 +31,45 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import KillSoakConfig
 from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts
 from hetero_node.client.roles.metrics import read_metrics
+from hetero_node.protocol.run_config import OuterConfig
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0
 
 
-def run_args(preset: str, round_s: float) -> list[str]:
+def run_configs(
+    preset: str, round_s: float, rounds: int = 100_000, inner_steps: int = 30
+) -> tuple[RunOptions, OuterConfig, OptimConfig]:
     """A run that never ends by itself (the bench stops it), with time-boxed rounds of `round_s`."""
-    return [
-        "--preset", preset, "--rounds", "100000", "--inner-steps", "30", "--round-s", str(round_s),
-        "--batch-size", "8", "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
-    ]  # fmt: skip
+    return (
+        RunOptions(preset=preset, batch_size=8, seq_len=64),
+        OuterConfig(rounds=rounds, inner_steps=inner_steps, round_s=round_s, stages=2),
+        OptimConfig(warmup_steps=5, lr=3e-3),
+    )
+
+
+def run_args(preset: str, round_s: float) -> list[str]:
+    """The bootstrap's run options for `run_configs`."""
+    return to_argv(*run_configs(preset, round_s))
 
 
 def peer_args(
-    peers: str, name: str, workdir: Path, index: int, host: str = "127.0.0.1", bandwidth_mbps: float = 1000
-) -> list[str]:
+    peers: str, name: str, workdir: Path, index: int, host: str = "127.0.0.1", bandwidth_mbps: float = 1000,
+    min_peers: int = 1,
+) -> list[str]:  # fmt: skip
     """A peer's `join` command line; the same after a restart (identity, checkpoints, metrics file)."""
     role = ["--role", "full"] if name.startswith("r") else ["--role", "stage", "--stage", name[-1]]
-    return [
-        "--log-level", "INFO", "join", "--peers", peers, *role, "--replica-id", str(index),
-        "--identity", str(workdir / f"{name}.id"), "--checkpoint-dir", str(workdir / f"{name}.ckpt"),
-        "--metrics", str(workdir / f"{name}.jsonl"), "--matchmaking-s", "3", "--round-timeout-s", "20",
-        "--fetch-timeout-s", "10", "--record-refresh-s", "3", "--stage-timeout-s", "10", "--settle-s", "1",
-        "--host", host, "--bandwidth-mbps", f"{bandwidth_mbps:g}", "--quiet",
-    ]  # fmt: skip
+    node = NodeConfig(
+        peers=[peers], host=host, replica_id=index, identity=workdir / f"{name}.id",
+        checkpoint_dir=workdir / f"{name}.ckpt", metrics=workdir / f"{name}.jsonl", record_refresh_s=3, settle_s=1,
+        bandwidth_mbps=bandwidth_mbps, min_peers=min_peers,
+    )  # fmt: skip
+    timeouts = SyncTimeouts(matchmaking_s=3, round_timeout_s=20, fetch_timeout_s=10, stage_timeout_s=10)
+    return ["--log-level", "INFO", "join", *role, *to_argv(node, timeouts), "--quiet"]
 
 
 def rounds_of(path: Path) -> dict[int, dict[str, Any]]:

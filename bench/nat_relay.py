@@ -21,10 +21,11 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import NatBenchConfig
-from hetero_node.bench.kill_soak import peer_args, rounds_of
+from hetero_node.bench.kill_soak import peer_args, rounds_of, run_configs
 from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import nat_unavailable_reason
 from hetero_node.client.cli.local_swarm import fresh_dir
+from hetero_node.client.cli.options import to_argv
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
 
 REPLICAS = ("r0", "r1")
@@ -32,10 +33,8 @@ SCENARIOS = {"direct": frozenset(), "relayed": frozenset({"r1"}), "both relayed"
 
 
 def run_args(cfg: NatBenchConfig) -> list[str]:
-    return [
-        "--preset", cfg.preset, "--rounds", str(cfg.rounds), "--inner-steps", "1000", "--round-s", str(cfg.round_s),
-        "--batch-size", "8", "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
-    ]  # fmt: skip
+    """Rounds of `round_s`, whatever H steps take."""
+    return to_argv(*run_configs(cfg.preset, cfg.round_s, rounds=cfg.rounds, inner_steps=1000))
 
 
 def run_scenario(cfg: NatBenchConfig, workdir: Path, behind_nat: frozenset[str]) -> dict[str, Any]:
@@ -49,8 +48,7 @@ def run_scenario(cfg: NatBenchConfig, workdir: Path, behind_nat: frozenset[str])
         before = {name: sum(swarm.lab.counters(swarm.lab.nodes[name])) for name in nodes}
         started = time.monotonic()
         for index, name in enumerate(REPLICAS):
-            args = peer_args(peers, name, workdir, index, swarm.host(name), cfg.link_mbit)
-            swarm.start(name, [*args, "--min-peers", "2"])
+            swarm.start(name, peer_args(peers, name, workdir, index, swarm.host(name), cfg.link_mbit, min_peers=2))
         for name in REPLICAS:
             if swarm.wait(name, 120 + 4 * cfg.rounds * cfg.round_s) != 0:
                 raise HeteroNodeError(f"{name} failed; see {swarm.log_path(name)}")
