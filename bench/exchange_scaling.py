@@ -22,6 +22,8 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import ExchangeScalingConfig
+from hetero_node.client.cli.demo import DemoConfig
+from hetero_node.client.cli.options import to_argv
 from hetero_node.client.cli.plan import sizing_run
 from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.swarm.cost_model import RunShape, exchange_bytes
@@ -34,11 +36,11 @@ CLI = [sys.executable, "-m", "hetero_node.client.cli"]
 def demo_argv(cfg: ExchangeScalingConfig, replicas: int, report: Path) -> list[str]:
     """Rounds of `round_s_per_replica` × R seconds: with the default H-step rounds, 8 or more replicas sharing 2
     cores miss each other's groups (rounds split into groups of 2–8, and 16 replicas completed none)."""
-    return [
-        *CLI, "demo", "--preset", "tiny", "--full", str(replicas), "--virtual", "0", "--rounds", str(cfg.rounds),
-        "--inner-steps", str(cfg.inner_steps), "--batch-size", "4", "--seq-len", "64", "--report", str(report),
-        "--round-s", str(cfg.round_s_per_replica * replicas), "--max-contributors", str(cfg.max_contributors),
-    ]  # fmt: skip
+    demo = DemoConfig(
+        preset="tiny", full=replicas, virtual=0, rounds=cfg.rounds, inner_steps=cfg.inner_steps, batch_size=4,
+        seq_len=64, report=report, round_s=cfg.round_s_per_replica * replicas, max_contributors=cfg.max_contributors,
+    )  # fmt: skip
+    return [*CLI, "demo", *to_argv(demo)]
 
 
 def measured_traffic(report: dict[str, Any]) -> list[tuple[int, int, int]]:

@@ -22,22 +22,25 @@ from pathlib import Path
 from typing import Any
 
 from hetero_node.bench.config import RoundModesConfig
+from hetero_node.client.cli.demo import DemoConfig
+from hetero_node.client.cli.options import to_argv
 
 CLI = [sys.executable, "-m", "hetero_node.client.cli"]
 
 
-def mode_args(mode: str, inner_steps: int) -> list[str]:
+def mode_fields(mode: str, inner_steps: int) -> dict[str, Any]:
+    """The demo's round options of `mode`."""
     if mode == "synchronous":
-        return ["--min-inner-steps", str(inner_steps), "--max-inner-steps", str(inner_steps)]
-    return ["--overlap"] if mode == "overlap" else []
+        return {"min_inner_steps": inner_steps, "max_inner_steps": inner_steps}
+    return {"overlap": True} if mode == "overlap" else {}
 
 
 def demo_argv(cfg: RoundModesConfig, mode: str, seed: int, report: Path) -> list[str]:
-    return [
-        *CLI, "demo", "--preset", cfg.preset, "--full", str(cfg.full), "--virtual", "0", "--rounds", str(cfg.rounds),
-        "--inner-steps", str(cfg.inner_steps), "--batch-size", "8", "--seq-len", "64", "--seed", str(seed),
-        *mode_args(mode, cfg.inner_steps), "--report", str(report),
-    ]  # fmt: skip
+    demo = DemoConfig(
+        preset=cfg.preset, full=cfg.full, virtual=0, rounds=cfg.rounds, inner_steps=cfg.inner_steps, batch_size=8,
+        seq_len=64, seed=seed, report=report, **mode_fields(mode, cfg.inner_steps),
+    )  # fmt: skip
+    return [*CLI, "demo", *to_argv(demo)]
 
 
 def curve(report: dict[str, Any]) -> list[tuple[int, float]]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from command_lines import parse_argv
 
 from hetero_node.bench.config import RoundModesConfig
-from hetero_node.bench.round_modes import curve, demo_argv, loss_at, mode_args
+from hetero_node.bench.round_modes import curve, demo_argv, loss_at, mode_fields
 from hetero_node.protocol.errors import ConfigError
 
 
@@ -22,9 +23,11 @@ def test_curve_sums_the_swarms_tokens_and_interpolation_compares_at_equal_tokens
 
 
 def test_modes_run_the_demo_with_their_round_options(tmp_path) -> None:
-    assert mode_args("synchronous", 30) == ["--min-inner-steps", "30", "--max-inner-steps", "30"]
-    assert mode_args("overlap", 30) == ["--overlap"] and mode_args("time-boxed", 30) == []
-    argv = demo_argv(RoundModesConfig(seeds=1), "overlap", 2, tmp_path / "r.json")
-    assert argv[argv.index("--seed") + 1] == "2" and "--overlap" in argv and argv[argv.index("--virtual") + 1] == "0"
+    assert mode_fields("synchronous", 30) == {"min_inner_steps": 30, "max_inner_steps": 30}
+    assert mode_fields("overlap", 30) == {"overlap": True} and mode_fields("time-boxed", 30) == {}
+    command, options, _ = parse_argv(demo_argv(RoundModesConfig(seeds=1), "overlap", 2, tmp_path / "r.json"))
+    assert command == "demo" and (options["seed"], options["overlap"], options["virtual"]) == (2, True, 0)
+    options = parse_argv(demo_argv(RoundModesConfig(inner_steps=12), "synchronous", 0, tmp_path / "r.json"))[1]
+    assert (options["min_inner_steps"], options["max_inner_steps"], options["report"]) == (12, 12, tmp_path / "r.json")
     with pytest.raises(ConfigError, match="--modes"):
         RoundModesConfig(modes="synchronous,asynchronous")
