@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from hetero_node.protocol.outer_specs import outer_spec
 from hetero_node.protocol.run_config import OuterConfig
 
 FANOUT = 2
@@ -30,8 +31,9 @@ FANOUT = 2
 
 
 def contributor_limit(outer: OuterConfig) -> int:
-    """K for this run's rounds (0: every contributor): only SparseLoCo can keep a left-out Δ owed."""
-    return outer.max_contributors if outer.outer == "sparseloco" else 0
+    """K for this run's rounds (0: every contributor): only a method with error feedback can keep a left-out Δ
+    owed."""
+    return outer.max_contributors if outer_spec(outer.outer).error_feedback else 0
 
 
 def aggregated(contributors: int, limit: int) -> int:

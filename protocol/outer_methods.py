@@ -1,7 +1,9 @@
 """Outer methods as strategies: how a replica turns its pseudo-gradient into a message, and how every member of a
 shard's group turns the same messages into the same θ(t+1).
 
-One interface, two methods; `--aggregation` picks how `combine` bounds each message (see `aggregation`):
+One interface; each method is a class bound with `@implements` to the spec it registered in `outer_specs.py`
+(what callers ask about a method without building it), and `outer_method` builds the one a run names.
+`--aggregation` picks how `combine` bounds each message (see `aggregation`):
 
 * `encode(deltas)` → the wire message of Δ = θ(t) − θ_local, and a snapshot of the private state it changed
   (SparseLoCo's error feedback), which `restore` puts back when the round fails for this replica, and `defer`
@@ -27,9 +29,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -37,6 +39,7 @@ from torch import Tensor
 from hetero_node.protocol import dense_codec, sparse_codec
 from hetero_node.protocol.aggregation import aggregate
 from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.outer_specs import DILOCO, SPARSELOCO, OuterSpec, outer_spec
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
 
@@ -65,14 +68,14 @@ class Combined:
 class OuterMethod(ABC):
     """One shard's outer optimizer (see the module docstring)."""
 
-    def __init__(self, shapes: Shapes, device: torch.device | str = "cpu") -> None:
+    spec: ClassVar[OuterSpec]
+    """What the method is (set by `@implements`)."""
+
+    def __init__(self, shapes: Shapes, run: RunConfig, device: torch.device | str = "cpu") -> None:
         self.shapes = [tuple(s) for s in shapes]
         self.device = torch.device(device)
-
-    @property
-    @abstractmethod
-    def max_message_bytes(self) -> int:
-        """The exact (SparseLoCo) or largest size of one message: what a fetch may accept."""
+        self.max_message_bytes = self.spec.message_bytes(run, self.shapes)
+        """The exact (sparse) or largest size of one message: what a fetch may accept."""
 
     @abstractmethod
     def encode(self, deltas: Sequence[Tensor]) -> Encoded:
@@ -131,18 +134,32 @@ class OuterMethod(ABC):
         """The replica's own outer state (what a resumed checkpoint must bring back); for logs and tests."""
 
 
+M = TypeVar("M", bound=type[OuterMethod])
+_IMPLEMENTATIONS: dict[str, type[OuterMethod]] = {}
+
+
+def implements(spec: OuterSpec) -> Callable[[M], M]:
+    """Bind a method class to its registered spec: `outer_method` builds it for runs that name the spec."""
+
+    def bind(cls: M) -> M:
+        if spec.name in _IMPLEMENTATIONS:
+            raise ValueError(f"outer method {spec.name!r} is implemented twice")
+        cls.spec = spec
+        _IMPLEMENTATIONS[spec.name] = cls
+        return cls
+
+    return bind
+
+
+@implements(SPARSELOCO)
 class SparseLoCoMethod(OuterMethod):
     """Error feedback + chunked top-k + 2-bit values; token-weighted mean over selectors; θ(t+1) = θ(t) − α·agg."""
 
     def __init__(self, shapes: Shapes, run: RunConfig, device: torch.device | str = "cpu") -> None:
-        super().__init__(shapes, device)
+        super().__init__(shapes, run, device)
         self.config, self.alpha = run.sparseloco, run.outer.outer_lr
         self.robust = run.outer.aggregation == "robust"
         self.compressor = ErrorFeedbackCompressor(self.shapes, self.config, self.device)
-
-    @property
-    def max_message_bytes(self) -> int:
-        return sparse_codec.message_size_bytes(self.shapes, self.config)
 
     def encode(self, deltas: Sequence[Tensor]) -> Encoded:
         snapshot = self.compressor.state_dict()
@@ -184,17 +201,14 @@ class SparseLoCoMethod(OuterMethod):
         return self.compressor.state_dict()["buffers"]
 
 
+@implements(DILOCO)
 class DiLoCoMethod(OuterMethod):
     """The dense baseline: fp32/fp16 pseudo-gradients, token-weighted mean, outer Nesterov SGD."""
 
     def __init__(self, shapes: Shapes, run: RunConfig, device: torch.device | str = "cpu") -> None:
-        super().__init__(shapes, device)
+        super().__init__(shapes, run, device)
         self.wire, self.lr, self.mu = run.outer.diloco_wire, run.outer.diloco_lr, run.outer.diloco_momentum
         self.momentum = [torch.zeros(s, device=self.device) for s in self.shapes]
-
-    @property
-    def max_message_bytes(self) -> int:
-        return dense_codec.message_size_bytes(self.shapes, self.wire)
 
     def encode(self, deltas: Sequence[Tensor]) -> Encoded:
         return Encoded(dense_codec.encode(deltas, self.wire), None)
@@ -257,4 +271,4 @@ def _minus(start: Tensor, step: Tensor) -> Tensor:
 
 def outer_method(run: RunConfig, shapes: Shapes, device: torch.device | str = "cpu") -> OuterMethod:
     """The run's outer method for one shard of `shapes`, its state and arithmetic on `device` (the model's)."""
-    return (SparseLoCoMethod if run.outer.outer == "sparseloco" else DiLoCoMethod)(shapes, run, device)
+    return _IMPLEMENTATIONS[outer_spec(run.outer.outer).name](shapes, run, device)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hetero_node.protocol.errors import ConfigError, require_positive
+from hetero_node.protocol.outer_specs import outer_spec
 
 PROTOCOL_VERSION = 10
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
@@ -24,7 +25,6 @@ PROTOCOL_VERSION = 10
 MAX_CHUNK = 64
 """Largest chunk side: in-chunk indices must fit the 12 bits of the wire format (64² = 4096)."""
 
-OUTER_METHODS = ("sparseloco", "diloco")
 AGGREGATION_RULES = ("mean", "robust")
 DILOCO_WIRE_DTYPES = ("fp32", "fp16")
 ACTIVATION_COMPRESSION = ("subspace", "none", "compress-all")
@@ -131,12 +131,13 @@ class OuterConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.outer not in OUTER_METHODS:
-            raise ConfigError(f"--outer must be one of {', '.join(OUTER_METHODS)}, got {self.outer!r}")
+        method = outer_spec(self.outer)  # ConfigError for a method nobody registered
         if self.aggregation not in AGGREGATION_RULES:
             raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
-        if self.aggregation == "robust" and self.outer != "sparseloco":
-            raise ConfigError("--aggregation robust bounds SparseLoCo messages; --outer diloco has only the mean rule")
+        if self.aggregation == "robust" and not method.sparse:
+            raise ConfigError(
+                f"--aggregation robust bounds sparse messages; --outer {self.outer} has only the mean rule"
+            )
         if self.diloco_wire not in DILOCO_WIRE_DTYPES:
             raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
         require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")

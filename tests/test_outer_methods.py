@@ -11,8 +11,9 @@ import torch
 from factories import run_config
 
 from hetero_node.models.shards import fingerprint
-from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.errors import ConfigError, PayloadError
 from hetero_node.protocol.outer_methods import DiLoCoMethod, SparseLoCoMethod, outer_method
+from hetero_node.protocol.outer_specs import outer_names, outer_spec
 from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.protocol.run_config import OuterConfig
 
@@ -120,3 +121,15 @@ def test_manifests_round_trip_and_malformed_ones_are_refused() -> None:
     ):
         with pytest.raises(PayloadError):
             parse_manifest(bad, 7)
+
+
+def test_every_registered_method_is_built_from_its_spec_which_sizes_its_messages() -> None:
+    assert outer_names() == ("sparseloco", "diloco")  # the --outer values runs already name
+    for name in outer_names():
+        run = run_config(outer=OuterConfig(outer=name))
+        method = outer_method(run, SHAPES)
+        assert method.spec is outer_spec(name)
+        assert method.max_message_bytes == method.spec.message_bytes(run, SHAPES)
+        assert len(method.encode(deltas(0)).payload) <= method.max_message_bytes
+    with pytest.raises(ConfigError, match="--outer must be one of sparseloco, diloco"):
+        OuterConfig(outer="adam")

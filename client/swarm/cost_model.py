@@ -36,6 +36,7 @@ from functools import cache
 
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.protocol.flat_exchange import aggregated, contributor_limit
+from hetero_node.protocol.outer_specs import outer_spec
 from hetero_node.protocol.run_config import RunConfig
 
 EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
@@ -89,8 +90,8 @@ def _shape(run: RunConfig) -> RunShape:
     from hetero_node.models.stages import stage_layer_ranges
     from hetero_node.models.transformer import Transformer
     from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, BoundaryFormat
-    from hetero_node.protocol.outer_methods import outer_method
 
+    method = outer_spec(run.outer.outer)
     cfg = get_preset(run.preset, vocab_size=run.vocab_size)
     stages, micro = run.outer.stages, min(run.pipeline.microbatches, run.batch_size)
     full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, stages, run.uses_subspace)
@@ -98,7 +99,7 @@ def _shape(run: RunConfig) -> RunShape:
         model = Transformer(cfg)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     messages = tuple(
-        outer_method(run, [shapes[n] for n in names]).max_message_bytes for names in shard_parameter_names(cfg, stages)
+        method.message_bytes(run, [shapes[n] for n in names]) for names in shard_parameter_names(cfg, stages)
     )
     ranges = stage_layer_ranges(cfg.n_layers, stages)
     flops = [parameter_count(cfg, layers, False, s == stages - 1) for s, layers in enumerate(ranges)]
@@ -114,26 +115,17 @@ def _shape(run: RunConfig) -> RunShape:
         overlap=run.outer.overlap,
         shard_message_bytes=messages,
         max_contributors=contributor_limit(run.outer),
-        relayed=run.outer.outer == "sparseloco",
+        relayed=method.relayed,
         stage_compute_share=tuple(f / sum(flops) for f in flops),
         boundary_forward_bytes=micro * fmt.message_bytes(FORWARD, per_micro, run.seq_len),
         boundary_backward_bytes=micro * fmt.message_bytes(BACKWARD, per_micro, run.seq_len),
         fixed_table_bytes=cfg.vocab_size * cfg.d_model * 4 if run.uses_subspace else 0,
-        embedding_density=_selected_fraction(run, shapes["embed.weight"]),
+        embedding_density=method.selected_fraction(run, shapes["embed.weight"]),
         full_memory_bytes=full,
         stage_memory_bytes=tuple(per_stage),
         rank=rank,
         d_model=cfg.d_model,
     )
-
-
-def _selected_fraction(run: RunConfig, shape: tuple[int, ...]) -> float:
-    """The fraction of a tensor's entries a replica's SparseLoCo message carries (a dense method's: all)."""
-    from hetero_node.protocol.sparseloco import chunk_plan
-
-    if run.outer.outer != "sparseloco":
-        return 1.0
-    return chunk_plan(shape, run.sparseloco.chunk, run.sparseloco.topk).num_selected / math.prod(shape)
 
 
 def run_variant(run: RunConfig, inner_steps: int | None = None, rank: int | None = None) -> RunConfig:
