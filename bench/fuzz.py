@@ -30,14 +30,14 @@ import torch
 from google.protobuf.message import DecodeError
 
 from hetero_node.bench.samples import record_fields
-from hetero_node.client.outer.shard_state import from_bytes, to_bytes
-from hetero_node.client.outer.shard_sync import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.protocol import boundary_codec, dense_codec, sparse_codec
 from hetero_node.protocol.errors import ConfigError, PayloadError
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import parse_peer_record, parse_run_announcement
+from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.protocol.run_config import PROTOCOL_VERSION, OuterConfig, RunConfig, SparseLoCoConfig
 from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
+from hetero_node.protocol.state_wire import from_bytes, to_bytes
 
 wire = load_proto_module("wire")
 

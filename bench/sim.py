@@ -29,7 +29,7 @@ from hetero_node.bench.config import SUBSPACE_METHODS, SimConfig
 from hetero_node.bench.sim_replicas import CPU, SimFullReplica, SimReplica, SimVirtualReplica, global_model
 from hetero_node.bench.sim_report import write_report
 from hetero_node.bench.sim_traffic import messages_moved, table_upkeep_bytes
-from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
+from hetero_node.client.outer.shard_state import state_fingerprint
 from hetero_node.client.roles.replica import STEP_STRIDE
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, val_batches
@@ -42,6 +42,7 @@ from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.flat_exchange import contributor_limit, selected_contributors, selection_seed
 from hetero_node.protocol.outer_methods import outer_method
 from hetero_node.protocol.run_config import OptimConfig, OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
+from hetero_node.protocol.state_wire import EMBED, FIXED
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,6 @@ from hetero_node.protocol.state_wire import (
     parse_state,
     parse_table,
 )
-from hetero_node.protocol.state_wire import from_bytes as from_bytes  # re-exported for bench/fuzz.py
-from hetero_node.protocol.state_wire import to_bytes as to_bytes  # re-exported for bench/fuzz.py
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,6 @@ from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, 
 from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
-from hetero_node.protocol.round_wire import parse_manifest as parse_manifest  # re-exported for bench/fuzz.py
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.swarm_key import is_member, member_proof
 
