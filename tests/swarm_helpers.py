@@ -2,59 +2,69 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from hetero_node.bootstrap.config import BootstrapConfig, RelayConfig
 from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from hetero_node.client.roles.metrics import read_metrics
 from hetero_node.models.shards import fingerprint
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 
-def options(**values: str | bool) -> list[str]:
-    """`--key value` per item; True gives the bare flag `--key`."""
-    args: list[str] = []
-    for key, value in values.items():
-        flag = f"--{key.replace('_', '-')}"
-        args += [flag] if value is True else [flag, str(value)]
-    return args
+def with_fields(configs: tuple[Any, ...], **values: Any) -> tuple[Any, ...]:
+    """`configs` with each value given to the one config that has a field of its name."""
+    owners = {f.name: i for i, config in enumerate(configs) for f in dataclasses.fields(config)}
+    unknown = set(values) - set(owners)
+    assert not unknown, f"no option of the command is named {sorted(unknown)}"
+    return tuple(
+        dataclasses.replace(config, **{k: v for k, v in values.items() if owners[k] == i})
+        for i, config in enumerate(configs)
+    )
 
 
 def run_args(
-    rounds: int, inner_steps: int = 8, preset: str = "tiny", target_utilisation: float = 0.0, **extra: str
+    rounds: int, inner_steps: int = 8, preset: str = "tiny", target_utilisation: float = 0.0, **fields: Any
 ) -> list[str]:
     """The tests' run definition; the bootstrap announces it and replicas adopt it. By default rounds of H steps
     (or `--round-s`), not stretched to a utilisation target: short rounds keep the suite short (the target has its
-    own test, `test_round_sizing.py`)."""
-    args = [
-        "--preset", preset, "--rounds", str(rounds), "--inner-steps", str(inner_steps), "--batch-size", "8",
-        "--seq-len", "64", "--stages", "2", "--warmup-steps", "5", "--lr", "3e-3",
-        "--target-utilisation", str(target_utilisation),
-    ]  # fmt: skip
-    return args + options(**extra)
+    own test, `test_round_sizing.py`). `fields` set any other option of `bootstrap` (`round_s=4`, `swarm_key=...`)."""
+    run = RunOptions(preset=preset, batch_size=8, seq_len=64)
+    outer = OuterConfig(rounds=rounds, inner_steps=inner_steps, stages=2, target_utilisation=target_utilisation)
+    configs = (run, outer, OptimConfig(warmup_steps=5, lr=3e-3), SparseLoCoConfig(), PipelineConfig())
+    return to_argv(*with_fields((*configs, BootstrapConfig(), RelayConfig()), **fields))
 
 
-def join_args(peers: str, index: int, workdir: Path, **extra: str) -> list[str]:
-    """Replica `index`'s node options (no run options: it learns the run from the bootstrap)."""
-    args = [
-        "--log-level", "INFO", "join", "--peers", peers, "--role", "full", "--replica-id", str(index),
-        "--matchmaking-s", "3", "--round-timeout-s", "20", "--fetch-timeout-s", "10", "--record-refresh-s", "3",
-        "--settle-s", "1", "--bandwidth-mbps", "1000",
-        "--metrics", str(workdir / f"r{index}.jsonl"), "--checkpoint-dir", str(workdir / f"r{index}.ckpt"), "--quiet",
-    ]  # fmt: skip
-    return args + options(**extra)
+def join_args(
+    peers: str, index: int, workdir: Path, role: str = "full", stage: int | None = None, quiet: bool = True,
+    **fields: Any,
+) -> list[str]:  # fmt: skip
+    """Replica `index`'s node options (no run options: it learns the run from the bootstrap); `fields` set any
+    other node option (`min_peers=2`, `host=...`)."""
+    node = NodeConfig(
+        peers=[peers], replica_id=index, record_refresh_s=3, settle_s=1, bandwidth_mbps=1000,
+        metrics=workdir / f"r{index}.jsonl", checkpoint_dir=workdir / f"r{index}.ckpt",
+    )  # fmt: skip
+    timeouts = SyncTimeouts(matchmaking_s=3, round_timeout_s=20, fetch_timeout_s=10)
+    place = ["--role", role, *(["--stage", str(stage)] if stage is not None else [])]
+    options = to_argv(*with_fields((node, timeouts, RelayConfig()), **fields))
+    return ["--log-level", "INFO", "join", *place, *options, *(["--quiet"] if quiet else [])]
 
 
 def start_replicas(
     swarm: LocalSwarm, count: int, workdir: Path, rounds: int, inner_steps: int = 8,
-    run_extra: dict[str, str] | None = None, **node_extra: str,
+    run_extra: dict[str, Any] | None = None, **node_extra: Any,
 ) -> str:  # fmt: skip
     """A bootstrap plus replicas r0..r{count-1} of one run; returns the bootstrap's multiaddr for later joiners."""
     peers = swarm.start_bootstrap(run_args(rounds, inner_steps, **(run_extra or {})))
-    node_extra.setdefault("min_peers", str(count))  # start together: processes take seconds to import on 2 cores
+    node_extra.setdefault("min_peers", count)  # start together: processes take seconds to import on 2 cores
     for i in range(count):
         swarm.start(f"r{i}", join_args(peers, i, workdir, **node_extra))
     return peers

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from hetero_node.bench.netns import NetLab, netns_unavailable_reason
+from hetero_node.bootstrap.config import BootstrapConfig
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.config import NodeConfig, RunOptions
 
 UNAVAILABLE = netns_unavailable_reason()
 pytestmark = [
@@ -21,7 +24,7 @@ pytestmark = [
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"needs network namespaces and tc as root: {UNAVAILABLE}"),
 ]
 CLI = [sys.executable, "-m", "hetero_node.client.cli"]
-RUN = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "64"]
+RUN = to_argv(RunOptions(preset="tiny", batch_size=4, seq_len=64))
 
 
 def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> None:
@@ -29,7 +32,8 @@ def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> N
         hub = lab.add_node("boot", up_mbit=1000)
         edge = lab.add_node("edge", up_mbit=50)
         boot_log = (tmp_path / "bootstrap.log").open("w")
-        bootstrap = [*CLI, "bootstrap", "--host", hub.address, "--port", "31337", "--identity", str(tmp_path / "b.id")]
+        where = BootstrapConfig(host=hub.address, port=31337, identity=tmp_path / "b.id")
+        bootstrap = [*CLI, "bootstrap", *to_argv(where, explicit={"port"})]
         lab.popen(hub, [*bootstrap, *RUN], stdout=boot_log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 90
         while not (found := re.search(r"--peers\s+(\S+)", (tmp_path / "bootstrap.log").read_text())):
@@ -37,8 +41,8 @@ def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> N
             time.sleep(0.3)
         peers = found.group(1)
         node_log = (tmp_path / "edge.log").open("w")
-        lab.popen(edge, [*CLI, "--log-level", "INFO", "join", "--peers", peers, "--role", "stage",
-                         "--memory-gb", "0.025", "--remeasure-bandwidth", "--record-refresh-s", "2", "--quiet"],
+        node = NodeConfig(peers=[peers], memory_gb=0.025, remeasure_bandwidth=True, record_refresh_s=2)
+        lab.popen(edge, [*CLI, "--log-level", "INFO", "join", "--role", "stage", *to_argv(node), "--quiet"],
                   stdout=node_log, stderr=subprocess.STDOUT)  # fmt: skip
         record = None
         while record is None:

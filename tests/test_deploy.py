@@ -31,7 +31,8 @@ from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
 from hetero_node.client.cli.app import app
 from hetero_node.client.cli.local_swarm import LocalSwarm
-from hetero_node.client.cli.options import ENV_PREFIX
+from hetero_node.client.cli.options import ENV_PREFIX, to_argv
+from hetero_node.client.config import NodeConfig
 from hetero_node.models.paths import CACHE_ENV_VAR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +216,7 @@ def test_a_second_bootstrap_on_a_taken_port_is_refused(deployed: Deployed) -> No
     port = re.search(r"/tcp/(\d+)/", deployed.peers).group(1)  # type: ignore[union-attr]
     identity = deployed.workdir / "second-bootstrap.id"
     second = subprocess.run(
-        [*CLI, "bootstrap", "--host", LOOPBACK, "--port", port, "--identity", str(identity), *run_args(rounds=2)],
+        [*CLI, "bootstrap", *run_args(rounds=2, host=LOOPBACK, port=int(port), identity=identity)],
         capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert second.returncode == 1, second.stderr
@@ -233,11 +234,9 @@ def test_a_second_node_with_a_live_identity_is_refused(deployed: Deployed) -> No
     wait_until(lambda: probe(url(deployed, "volunteer", "readyz"))[0] == 200, 90, "the volunteer's /readyz")
     key = deployed.identity.read_bytes()
     twin_dir = deployed.workdir / "twin"
-    twin = subprocess.run(
-        [*CLI, "join", "--host", LOOPBACK, "--peers", deployed.peers, "--identity", str(deployed.identity),
-         "--checkpoint-dir", str(twin_dir), "--metrics", str(twin_dir / "twin.jsonl"), "--quiet"],
-        capture_output=True, text=True, timeout=100,
-    )  # fmt: skip
+    node = NodeConfig(peers=[deployed.peers], host=LOOPBACK, identity=deployed.identity, checkpoint_dir=twin_dir,
+                      metrics=twin_dir / "twin.jsonl")  # fmt: skip
+    twin = subprocess.run([*CLI, "join", *to_argv(node), "--quiet"], capture_output=True, text=True, timeout=100)
     assert twin.returncode == 1, twin.stderr
     error = [line for line in twin.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and "is already live in the swarm" in error[0], twin.stderr

@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 from swarm_helpers import join_args, run_args
 
+from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.bootstrap.join_line import JOIN_LINE
+from hetero_node.client.cli.options import to_argv
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
 
@@ -135,7 +137,8 @@ def test_bootstrap_and_two_joins_in_containers_agree(image: str) -> None:
 
     boot = names["bootstrap"]
     run_definition = run_args(ROUNDS)
-    bootstrap = ["--log-level", "INFO", "bootstrap", "--host", "0.0.0.0", "--identity", "/data/bootstrap.id"]
+    where = BootstrapConfig(host="0.0.0.0", identity=Path("/data/bootstrap.id"))  # all of the container's interfaces
+    bootstrap = ["--log-level", "INFO", "bootstrap", *to_argv(where, explicit={"host"})]
     docker(*run, "--name", boot, image, *bootstrap, *run_definition)
     peers = wait_for_join_line(boot)
     # The bootstrap advertises its address on the docker network, not loopback.
@@ -143,7 +146,7 @@ def test_bootstrap_and_two_joins_in_containers_agree(image: str) -> None:
     assert re.match(rf"/ip4/{re.escape(boot_ip)}/tcp/31337/p2p/\w+$", peers), (peers, boot_ip)
 
     for i in range(2):  # the joins learn the run from the bootstrap; they listen on all of the container's interfaces
-        node = join_args(peers, i, Path("/data"), host="0.0.0.0", port="31337", min_peers="2", device="cpu")
+        node = join_args(peers, i, Path("/data"), host="0.0.0.0", port=31337, min_peers=2, device="cpu")
         docker(*run, "--name", names[f"r{i}"], image, *node)
 
     codes = {}

@@ -4,6 +4,7 @@ schema-checked peer records, automatic roles, and interoperability with stock hi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -17,7 +18,10 @@ from typing import Any
 import pytest
 from factories import peer_record, record_fields
 
+from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.config import NodeConfig, RunOptions
 from hetero_node.client.monitor.snapshot import read_snapshot
 from hetero_node.client.node.run_definition import fetch_run_announcement
 from hetero_node.client.roles.metrics import read_metrics
@@ -25,13 +29,21 @@ from hetero_node.client.swarm.membership import peer_info, relay_of, relay_share
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import peers_key
 from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.run_config import OuterConfig
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(300)]
 
-RUN = ["--preset", "tiny", "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--stages", "2"]
-RUN += ["--target-utilisation", "0"]  # rounds of H steps: see swarm_helpers.run_args
-NODE = ["--record-refresh-s", "2", "--settle-s", "2", "--quiet"]
+RUN_OPTIONS = RunOptions(preset="tiny", batch_size=4, seq_len=64)
+OUTER = OuterConfig(inner_steps=4, stages=2, target_utilisation=0)  # rounds of H steps: see swarm_helpers.run_args
+RUN = to_argv(RUN_OPTIONS, OUTER)
+NODE = NodeConfig(record_refresh_s=2, settle_s=2)
 VENV_BIN = Path(sys.executable).parent
+
+
+def join(peers: str, run: list[str] | None = None, role: str | None = None, **node: Any) -> list[str]:
+    """A `join` command line: NODE with `node`'s changes, and the run options `run` if any."""
+    place = ["--role", role] if role else []
+    return ["join", *place, *to_argv(dataclasses.replace(NODE, peers=[peers], **node)), *(run or []), "--quiet"]
 
 
 @contextlib.contextmanager
@@ -89,8 +101,8 @@ def test_bootstrap_announces_the_run_and_keeps_its_peer_id_across_restarts(tmp_p
             assert announcement.peer_id == first.rsplit("/", 1)[1]
         swarm.stop("bootstrap")
         port = re.search(r"/tcp/(\d+)/", first).group(1)
-        swarm.start("bootstrap", ["bootstrap", "--host", "127.0.0.1", "--port", port,
-                                  "--identity", str(tmp_path / "bootstrap.id"), *RUN])  # fmt: skip
+        where = BootstrapConfig(host="127.0.0.1", port=int(port), identity=tmp_path / "bootstrap.id")
+        swarm.start("bootstrap", ["bootstrap", *to_argv(where), *RUN])
         second = wait_for(lambda: re.search(r"--peers\s+(\S+)", swarm.log_path("bootstrap").read_text()), 60, "restart")
         assert second.group(1) == first  # same identity file and port: the same multiaddr
         with observer(first) as runtime:
@@ -138,12 +150,11 @@ def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -
 @pytest.mark.long
 def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path: Path) -> None:
     """Two nodes can hold the model, four only a stage: 2 full replicas and 2 complete virtual replicas."""
-    memory = ["4", "4", "0.025", "0.025", "0.025", "0.025"]
+    memory = [4, 4, 0.025, 0.025, 0.025, 0.025]
     with LocalSwarm(tmp_path) as swarm:
-        peers = swarm.start_bootstrap([*RUN, "--rounds", "200"])
+        peers = swarm.start_bootstrap(to_argv(RUN_OPTIONS, dataclasses.replace(OUTER, rounds=200)))
         for i, gb in enumerate(memory):
-            swarm.start(f"n{i}", ["--log-level", "INFO", "join", "--peers", peers, "--memory-gb", gb,
-                                  "--bandwidth-mbps", "1000", *NODE])  # fmt: skip
+            swarm.start(f"n{i}", ["--log-level", "INFO", *join(peers, memory_gb=gb, bandwidth_mbps=1000)])
         with observer(peers) as runtime:
 
             def settled() -> dict[str, Any] | None:
@@ -188,9 +199,9 @@ def test_stock_hivemind_dht_bootstraps_hetero_node_peers(tmp_path: Path) -> None
             )
             peers = found.group(1)
             for i in range(2):
-                swarm.start(f"r{i}", ["--log-level", "INFO", "join", "--peers", peers, "--role", "full", *RUN,
-                                      "--rounds", "2", "--min-peers", "2", "--bandwidth-mbps", "1000",
-                                      "--metrics", str(tmp_path / f"r{i}.jsonl"), *NODE])  # fmt: skip
+                run = to_argv(RUN_OPTIONS, dataclasses.replace(OUTER, rounds=2))
+                node = {"min_peers": 2, "bandwidth_mbps": 1000, "metrics": tmp_path / f"r{i}.jsonl"}
+                swarm.start(f"r{i}", ["--log-level", "INFO", *join(peers, run, role="full", **node)])
             for i in range(2):
                 code = swarm.wait(f"r{i}", 240)
                 assert code == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
@@ -226,15 +237,15 @@ def test_a_joiner_whose_options_or_data_differ_from_the_run_gets_an_error_naming
 ) -> None:
     other_text = tmp_path / "other.txt"
     other_text.write_text("Not the bundled corpus at all, just a few words repeated.\n" * 300)
-    cases = [
-        (["--preset", "small"], "--preset small (the swarm's run uses tiny)"),
-        (["--inner-steps", "9"], "--inner-steps 9 (the swarm's run uses 4)"),
-        (["--data", str(other_text)], "your data does not match the swarm's run: data identity"),
+    cases = [  # small is --preset's default: given explicitly, it must still agree with the swarm's
+        (to_argv(RunOptions(preset="small"), explicit={"preset"}), "--preset small (the swarm's run uses tiny)"),
+        (to_argv(OuterConfig(inner_steps=9)), "--inner-steps 9 (the swarm's run uses 4)"),
+        (to_argv(RunOptions(data=other_text)), "your data does not match the swarm's run: data identity"),
     ]
     with LocalSwarm(tmp_path) as swarm:
         peers = swarm.start_bootstrap(RUN)
         for i, (options, _) in enumerate(cases):
-            swarm.start(f"j{i}", ["join", "--peers", peers, *options, *NODE])
+            swarm.start(f"j{i}", join(peers, options))
         for i, (_, message) in enumerate(cases):
             assert swarm.wait(f"j{i}", 120) == 1
             log = swarm.log_path(f"j{i}").read_text()
@@ -244,9 +255,9 @@ def test_a_joiner_whose_options_or_data_differ_from_the_run_gets_an_error_naming
 def test_a_vanished_stage_holder_expires_and_a_new_node_takes_its_slot(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         peers = swarm.start_bootstrap(RUN)
-        stage_node = ["join", "--peers", peers, "--memory-gb", "0.025", "--bandwidth-mbps", "100"]
+        stage_node = join(peers, memory_gb=0.025, bandwidth_mbps=100)
         for name in ("s0", "s1"):
-            swarm.start(name, [*stage_node, *NODE])
+            swarm.start(name, stage_node)
         with observer(peers) as runtime:
 
             def slots_once(count: int) -> dict[str, tuple[int, int]] | None:
@@ -259,7 +270,7 @@ def test_a_vanished_stage_holder_expires_and_a_new_node_takes_its_slot(tmp_path:
             swarm.stop("s1", sig=signal.SIGKILL)  # no goodbye: its record must expire (3 × 2 s)
             survivors = wait_for(lambda: slots_once(1), 60, "the dead peer's record to expire")
             vacated = next(slot for pid, slot in before.items() if pid not in survivors)
-            swarm.start("s2", [*stage_node, *NODE])
+            swarm.start("s2", stage_node)
             after = wait_for(lambda: slots_once(2), 120, "the replacement")
         newcomer = next(pid for pid in after if pid not in before)
         assert after[newcomer] == vacated  # it completed the virtual replica instead of opening a new one

@@ -234,9 +234,9 @@ class LiveSwarm:
 
     def __init__(self, swarm: LocalSwarm, workdir: Path) -> None:
         self.swarm, self.workdir = swarm, workdir
-        self.peers = peers = swarm.start_bootstrap([*run_args(rounds=200, inner_steps=4), "--metrics-port", "0"])
+        self.peers = peers = swarm.start_bootstrap(run_args(rounds=200, inner_steps=4, metrics_port=0))
         for i, name in enumerate(PEERS):
-            swarm.start(name, join_args(peers, i, workdir, min_peers="2", metrics_port="0"))
+            swarm.start(name, join_args(peers, i, workdir, min_peers=2, metrics_port=0))
         self.urls = {name: self.url_of(name) for name in ("bootstrap", *PEERS)}
 
     def url_of(self, name: str) -> str:

@@ -61,7 +61,7 @@ def test_a_node_behind_nat_dials_out_and_cannot_be_dialed() -> None:
         assert mapped.stdout.startswith("refused"), mapped  # the router has no inbound mapping
 
 
-def node_args(swarm: LocalSwarm, peers: str, name: str, index: int, workdir: Path, **extra: str) -> list[str]:
+def node_args(swarm: LocalSwarm, peers: str, name: str, index: int, workdir: Path, **extra: Any) -> list[str]:
     return join_args(peers, index, workdir, host=swarm.host(name), **extra)
 
 
@@ -90,7 +90,7 @@ def train_two_replicas(
 ) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
     """r0 and r1 train `rounds` rounds; the NAT'd one joined relayed, both contributed every round and agree."""
     for i in range(2):
-        swarm.start(f"r{i}", node_args(swarm, peers, f"r{i}", i, workdir, min_peers="2"))
+        swarm.start(f"r{i}", node_args(swarm, peers, f"r{i}", i, workdir, min_peers=2))
     for i in range(2):
         assert swarm.wait(f"r{i}", 300) == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
     for name in swarm.behind_nat:
@@ -115,7 +115,7 @@ def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribu
     fetches that resume over a fresh circuit: p2pd's relay resets each circuit after 128 KiB each way, and one
     `small` message (two shards of 142 KB) is larger than that."""
     with LabSwarm(tmp_path, LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:
-        peers = swarm.start_bootstrap(run_args(3, inner_steps=1000, preset="small", round_s="8"))
+        peers = swarm.start_bootstrap(run_args(3, inner_steps=1000, preset="small", round_s=8))
         first, second = train_two_replicas(swarm, peers, tmp_path, rounds=3)
     for t in range(3):  # each got the other's whole message, past two circuit resets
         assert first[t]["bytes_received"] > 2 * RELAY_CIRCUIT_BYTES < second[t]["bytes_received"], (first[t], second[t])
@@ -128,12 +128,11 @@ def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribu
 @pytest.mark.timeout(480)
 def test_a_virtual_replica_whose_last_stage_is_behind_nat_trains_and_contributes(tmp_path: Path) -> None:
     with LabSwarm(tmp_path, LINK_MBIT, behind_nat=frozenset({"s1"})) as swarm:
-        peers = swarm.start_bootstrap(run_args(200, inner_steps=6, round_s="4"))
-        swarm.start("r0", node_args(swarm, peers, "r0", 0, tmp_path, min_peers="2"))
+        peers = swarm.start_bootstrap(run_args(200, inner_steps=6, round_s=4))
+        swarm.start("r0", node_args(swarm, peers, "r0", 0, tmp_path, min_peers=2))
         for index, stage in ((10, 0), (11, 1)):
-            args = node_args(swarm, peers, f"s{stage}", index, tmp_path, stage_timeout_s="15")
-            args[args.index("--role") + 1] = "stage"
-            swarm.start(f"s{stage}", [*args, "--stage", str(stage)])
+            args = node_args(swarm, peers, f"s{stage}", index, tmp_path, role="stage", stage=stage, stage_timeout_s=15)
+            swarm.start(f"s{stage}", args)
         deadline = time.monotonic() + 300
         while len(vr_rounds(tmp_path)) < 2 and time.monotonic() < deadline:
             time.sleep(1)

@@ -45,10 +45,10 @@ def test_a_late_joiner_loads_state_over_the_network_and_contributes_without_stal
     line the bootstrap printed and no --host, as a volunteer pastes it; the first replica runs without --quiet,
     its output to a file, so it logs a plain line per round and one when it leaves."""
     with LabSwarm(tmp_path, LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
-        peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s="2"))
-        swarm.start("r0", [a for a in join_args(peers, 0, tmp_path, min_peers="1") if a != "--quiet"])
+        peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s=2))
+        swarm.start("r0", join_args(peers, 0, tmp_path, quiet=False, min_peers=1))
         wait_for_round(tmp_path, 0, JOIN_AFTER_ROUNDS - 1, timeout=90)
-        swarm.start("r1", join_args(peers, 1, tmp_path, min_peers="1"))
+        swarm.start("r1", join_args(peers, 1, tmp_path, min_peers=1))
         joined_at = max(rounds_of(tmp_path, 0))
         deadline = time.monotonic() + WAIT_S
         while (late := first_contribution(tmp_path, 1)) is None and time.monotonic() < deadline:
@@ -98,9 +98,9 @@ def test_a_peer_restarted_on_a_new_address_is_found_again(tmp_path: Path) -> Non
     namespace and address: r0 has only ever dialed the old address, so it must re-learn the new one from r1's
     signed record to fetch its messages, and the two must average together again."""
     with LabSwarm(tmp_path, LINK_MBIT, subnet=PUBLIC_SUBNET) as swarm:
-        peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s="2"))
+        peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s=2))
         for i in range(2):
-            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers=2))
         wait_for_round(tmp_path, 1, 1, timeout=90)
         old = swarm.lab.nodes["r1"].address
         assert swarm.stop("r1", timeout=30) == 0

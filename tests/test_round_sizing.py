@@ -24,11 +24,11 @@ TARGET = 0.6
 
 def test_short_steps_get_rounds_long_enough_for_the_rounds_costs_and_no_busy_loop(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
-        args = run_args(ROUNDS, inner_steps=H, target_utilisation=TARGET)
-        args[args.index("--batch-size") + 1], args[args.index("--seq-len") + 1] = "4", "32"
-        peers = swarm.start_bootstrap(args)
+        peers = swarm.start_bootstrap(
+            run_args(ROUNDS, inner_steps=H, target_utilisation=TARGET, batch_size=4, seq_len=32)
+        )
         for i in range(2):
-            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers=2))
         assert_all_exit_cleanly(swarm, ["r0", "r1"])
         logs = [swarm.log_path(f"r{i}").read_text() for i in range(2)]
     replicas = [rounds_of(tmp_path, i) for i in range(2)]

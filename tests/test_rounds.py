@@ -41,7 +41,7 @@ def slow_machine() -> Iterator[tuple[Any, dict[str, str]]]:
         with cpu_quota.CpuQuota("slow-replica", SLOW_QUOTA) as quota:
             yield quota.enter, {}
     else:
-        yield None, {"step_delay_s": "0.4"}
+        yield None, {"step_delay_s": 0.4}
 
 
 def reference_update(record: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -77,9 +77,9 @@ def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replic
     rounds = 5
     with LocalSwarm(tmp_path) as swarm, slow_machine() as (slow_hook, slow_options):
         # 4 s rounds: longer than a group's grace period (3 s matchmaking here), as real rounds are
-        peers = swarm.start_bootstrap(run_args(rounds, inner_steps=12, round_s="4", overlap=True))
+        peers = swarm.start_bootstrap(run_args(rounds, inner_steps=12, round_s=4, overlap=True))
         for i in range(3):
-            args = join_args(peers, i, tmp_path, min_peers="3", **(slow_options if i == 2 else {}))
+            args = join_args(peers, i, tmp_path, min_peers=3, **(slow_options if i == 2 else {}))
             hook = slow_hook if i == 2 else None
             swarm.start(f"r{i}", [str(recordings / f"r{i}"), *args], program=RECORDING_PEER, preexec_fn=hook)
         assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
@@ -125,9 +125,9 @@ def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_m
     with LocalSwarm(tmp_path) as swarm:
         # fixed 5 s rounds: the restart (imports, p2pd, measuring itself: 15-20 s on 2 busy cores) must land within
         # KEPT_ROUNDS of the swarm, whose messages are still served (with 3 s rounds it came back 5-7 behind)
-        peers = swarm.start_bootstrap(run_args(7, inner_steps=8, round_s="5"))
+        peers = swarm.start_bootstrap(run_args(7, inner_steps=8, round_s=5))
         for i in range(2):
-            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers="2"))
+            swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers=2))
         wait_for_round(tmp_path, 1, 1)
         pgid = swarm.processes["r1"].pid
         stopped = time.monotonic()

@@ -39,7 +39,7 @@ def store(bundled_cache_dir: Path):
 @pytest.mark.timeout(300)
 def test_a_lab_round_gives_the_same_weights_as_a_loopback_swarm_round(tmp_path: Path, store) -> None:
     rounds, h = 2, 4
-    exact = {"max_inner_steps": str(h), "min_inner_steps": str(h)}  # both replicas train exactly H steps
+    exact = {"max_inner_steps": h, "min_inner_steps": h}  # both replicas train exactly H steps
     with LocalSwarm(tmp_path) as swarm:
         start_replicas(swarm, 2, tmp_path, rounds, h, run_extra=exact)
         for i in range(2):

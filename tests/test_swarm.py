@@ -59,8 +59,8 @@ def test_four_replicas_aggregate_three_messages_a_round_through_relay_trees_past
     messages from relay parents, and r3, which re-serves others' messages corrupted, is caught by the digest and
     bypassed; nobody downloads more than 3 messages' worth in a round it got from its group."""
     with LocalSwarm(tmp_path) as swarm:
-        peers = start_replicas(swarm, 3, tmp_path, rounds=4, run_extra={"max_contributors": "3"}, min_peers="4")
-        swarm.start("r3", join_args(peers, 3, tmp_path, min_peers="4"), program=[*FAULTY_PEER, "bad-relay"])
+        peers = start_replicas(swarm, 3, tmp_path, rounds=4, run_extra={"max_contributors": 3}, min_peers=4)
+        swarm.start("r3", join_args(peers, 3, tmp_path, min_peers=4), program=[*FAULTY_PEER, "bad-relay"])
         assert_all_exit_cleanly(swarm, [f"r{i}" for i in range(4)])
     replicas = [rounds_of(tmp_path, i) for i in range(4)]
     run = sizing_run(RunOptions(preset="tiny", batch_size=8, seq_len=64), OuterConfig(stages=2), OptimConfig(),
@@ -94,8 +94,8 @@ def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a
     key = tmp_path / "swarm.key"
     subprocess.run([sys.executable, "-m", "hetero_node.client.cli", "swarm-key", str(key)], check=True)
     with LocalSwarm(tmp_path) as swarm:
-        run_extra = {"swarm_key": str(key), "aggregation": "robust"}
-        peers = start_replicas(swarm, 2, tmp_path, rounds=2, run_extra=run_extra, swarm_key=str(key))
+        run_extra = {"swarm_key": key, "aggregation": "robust"}
+        peers = start_replicas(swarm, 2, tmp_path, rounds=2, run_extra=run_extra, swarm_key=key)
         swarm.start("outsider", join_args(peers, 2, tmp_path))
         assert swarm.wait("outsider", 120) == 1
         assert "this swarm is private: pass --swarm-key" in swarm.log_path("outsider").read_text()
@@ -108,7 +108,7 @@ def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a
 
 def test_late_joiner_catches_up(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
-        peers = start_replicas(swarm, 2, tmp_path, rounds=10, run_extra={"round_s": "2"})
+        peers = start_replicas(swarm, 2, tmp_path, rounds=10, run_extra={"round_s": 2})
         wait_for_round(tmp_path, 0, 0)
         swarm.start("r2", join_args(peers, 2, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
@@ -124,8 +124,8 @@ def test_late_joiner_catches_up(tmp_path: Path) -> None:
 def run_pair(workdir: Path, faulty_modes: list[str]) -> dict[int, dict[str, Any]]:
     """Two honest replicas plus one faulty peer per mode; returns honest replica 0's rounds."""
     with LocalSwarm(workdir) as swarm:
-        everyone = str(2 + len(faulty_modes))
-        fixed_steps = {"min_inner_steps": "8", "max_inner_steps": "8"}  # bit-identical runs need the same steps
+        everyone = 2 + len(faulty_modes)
+        fixed_steps = {"min_inner_steps": 8, "max_inner_steps": 8}  # bit-identical runs need the same steps
         peers = start_replicas(swarm, 2, workdir, rounds=3, run_extra=fixed_steps, min_peers=everyone)
         for j, mode in enumerate(faulty_modes):
             args = join_args(peers, 2 + j, workdir, min_peers=everyone)
@@ -152,7 +152,7 @@ def test_a_killed_replica_does_not_stop_the_others_and_a_corrupt_checkpoint_fall
     with LocalSwarm(tmp_path) as swarm:
         # 10 rounds of 2 s: r1's restart (imports, p2pd, measuring itself: 15-20 s on 2 busy cores) must end
         # before the survivor's run does (with 7 it made the last round by 1 s, or missed it)
-        peers = start_replicas(swarm, 3, tmp_path, rounds=10, run_extra={"round_s": "2"})
+        peers = start_replicas(swarm, 3, tmp_path, rounds=10, run_extra={"round_s": 2})
         wait_for_round(tmp_path, 2, 1)
         swarm.stop("r2", sig=signal.SIGKILL)  # mid-round, and never back
         wait_for_round(tmp_path, 1, 2)

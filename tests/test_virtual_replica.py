@@ -26,19 +26,15 @@ FULL, STAGE0, STAGE1 = 0, 10, 11
 """Metrics indices: the full replica r0, the virtual replica's stages r10 and r11 (a replacement: r21)."""
 
 
-def stage_args(peers: str, index: int, workdir: Path, stage: int, **extra: str) -> list[str]:
-    args = join_args(peers, index, workdir, stage_timeout_s="10", **extra)
-    args[args.index("--role") + 1] = "stage"
-    return [*args, "--stage", str(stage)]
+def stage_args(peers: str, index: int, workdir: Path, stage: int, **extra: Any) -> list[str]:
+    return join_args(peers, index, workdir, role="stage", stage=stage, stage_timeout_s=10, **extra)
 
 
-def start_swarm(swarm: LocalSwarm, workdir: Path, rounds: int, inner_steps: int, matchmaking_s: str = "3") -> str:
+def start_swarm(swarm: LocalSwarm, workdir: Path, rounds: int, inner_steps: int, matchmaking_s: float = 3) -> str:
     """A full replica r0 and a virtual replica (s0, s1); 3 s rounds, so the slower pipeline trains a few steps
     each round (with H steps at the full replica's speed, tiny's rounds would last well under a second)."""
-    peers = swarm.start_bootstrap(run_args(rounds, inner_steps, round_s="3"))
-    full = join_args(peers, FULL, workdir, min_peers="2")
-    full[full.index("--matchmaking-s") + 1] = matchmaking_s
-    swarm.start("r0", full)
+    peers = swarm.start_bootstrap(run_args(rounds, inner_steps, round_s=3))
+    swarm.start("r0", join_args(peers, FULL, workdir, min_peers=2, matchmaking_s=matchmaking_s))
     swarm.start("s0", stage_args(peers, STAGE0, workdir, 0))
     swarm.start("s1", stage_args(peers, STAGE1, workdir, 1))
     return peers
@@ -154,7 +150,7 @@ def test_killed_stage_is_replaced_and_the_virtual_replica_contributes_again(tmp_
     with LocalSwarm(tmp_path) as swarm:
         # a full replica finishes a round seconds before the pipeline on a loaded 2-core CI machine: its groups
         # wait longer for the repaired VR, so the test checks repair, not which process the shared CPU favoured
-        peers = start_swarm(swarm, tmp_path, rounds=200, inner_steps=6, matchmaking_s="12")
+        peers = start_swarm(swarm, tmp_path, rounds=200, inner_steps=6, matchmaking_s=12)
         wait_for_round(tmp_path, STAGE1, 0)
         swarm.stop("s1", sig=signal.SIGKILL)
         killed_after = max(rounds_of(tmp_path, STAGE1))
