@@ -154,7 +154,7 @@ def test_swarm_methods_can_get_a_larger_budget_than_ddp() -> None:
     cfg = BenchConfig(preset="tiny", rounds=4, swarm_rounds=24)
     boot = bootstrap_argv(cfg, "hetero", "10.0.0.1", "b.id")
     ddp = ddp_argv(cfg, 0, 4, "10.0.0.2", "m.jsonl")
-    assert boot[boot.index("--rounds") + 1] == "24" and ddp[ddp.index("--rounds") + 1] == "4"
+    assert parse_argv(boot)[1]["rounds"] == 24 and parse_argv(ddp)[1]["rounds"] == 4
     assert BenchConfig(rounds=4).rounds_for("hetero") == 4  # 0: the same budget as ddp
     with pytest.raises(ConfigError, match="--swarm-rounds must not be negative"):
         BenchConfig(swarm_rounds=-1)

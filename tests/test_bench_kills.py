@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from command_lines import parse_argv
+
 from hetero_node.bench.config import KillSoakConfig
 from hetero_node.bench.kill_soak import analyse, peer_args, render_markdown
 
@@ -36,6 +38,7 @@ def test_the_soak_counts_disagreements_hangs_recovery_and_leftovers(tmp_path: Pa
 
 def test_a_restarted_peer_keeps_its_identity_checkpoints_and_metrics(tmp_path: Path) -> None:
     full, stage = peer_args("/ip4/x", "r1", tmp_path, 1), peer_args("/ip4/x", "vr0-s1", tmp_path, 4)
-    assert full[full.index("--identity") + 1] == str(tmp_path / "r1.id")
-    assert full[full.index("--role") + 1] == "full" and full[full.index("--metrics") + 1] == str(tmp_path / "r1.jsonl")
-    assert stage[stage.index("--role") + 1 : stage.index("--role") + 4] == ["stage", "--stage", "1"]
+    (_, full, _), (_, stage, _) = parse_argv(full), parse_argv(stage)
+    assert (full["identity"], full["metrics"]) == (tmp_path / "r1.id", tmp_path / "r1.jsonl")
+    assert (full["role"], full["checkpoint_dir"]) == ("full", tmp_path / "r1.ckpt")
+    assert (stage["role"], stage["stage"], stage["identity"]) == ("stage", 1, tmp_path / "vr0-s1.id")

@@ -25,6 +25,8 @@ from swarm_helpers import join_args, probe, rounds_of, run_args
 from hetero_node.bench.commands import CLI
 from hetero_node.bench.kill_soak import wait_until
 from hetero_node.client.cli.local_swarm import LocalSwarm
+from hetero_node.client.cli.options import to_argv
+from hetero_node.client.cli.plan import PlanConfig
 from hetero_node.client.monitor.health import DAEMON_GONE, Health
 from hetero_node.client.monitor.http_server import MonitorServer, open_dashboard
 from hetero_node.client.monitor.node_metrics import NodeMetrics
@@ -302,8 +304,8 @@ def test_live_nodes_export_their_rounds_and_the_bootstrap_the_swarm(live: LiveSw
 @pytest.mark.timeout(120)
 def test_plan_reads_the_live_swarm_and_predicts_its_round(live: LiveSwarm, tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    done = subprocess.run([*CLI, "plan", "--peers", live.peers, "--h-choices", "4", "--json-out", str(out)],
-                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    plan = PlanConfig(peers=[live.peers], h_choices="4", json_out=out)
+    done = subprocess.run([*CLI, "plan", *to_argv(plan)], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
     assert "now" in done.stdout and "optimised" in done.stdout
     plan = json.loads(out.read_text())
