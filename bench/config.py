@@ -1,7 +1,11 @@
-"""`hetero-node-lab bench` options: which topology, which methods, what model and token budget, where results go.
+"""The lab commands' options, one config dataclass per `hetero-node-lab` command.
 
-Every method of one benchmark trains the same preset on the same data for the same number of tokens per node
-(rounds × H inner steps of batch_size × seq_len), so the report can compare them row by row.
+Over ~450 lines on purpose: each class is short and none imports the others' code, and side by side they read as
+the lab's one table of knobs (the CLI is generated from them, `client/cli/options.py`).
+
+`BenchConfig` (`hetero-node-lab bench`): every method of one benchmark trains the same preset on the same data for
+the same number of tokens per node (rounds × H inner steps of batch_size × seq_len), so the report can compare
+them row by row.
 """
 
 from __future__ import annotations
