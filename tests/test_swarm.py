@@ -141,7 +141,9 @@ def test_garbage_and_nan_payloads_are_dropped_and_change_nothing(tmp_path: Path)
     for t, record in attacked.items():
         faulty_in_group = record["group_size"] - 2
         assert record["contributors"] == 2
-        assert len(record["dropped"]) == 2 * faulty_in_group  # each faulty member is dropped in both shard groups
+        # each faulty member is dropped in every shard group it was in: `group_size` is the larger shard group's,
+        # and a faulty member may have reached only one of the two
+        assert faulty_in_group <= len(record["dropped"]) <= 2 * faulty_in_group, record["dropped"]
         # the honest pair's result is bit-identical to a run in which the faulty peers never existed
         assert record["fingerprints"] == clean[t]["fingerprints"], f"round {t} was changed by the faulty peers"
 
