@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
+.PHONY: venv data demo test test-long docker-test lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -102,6 +102,11 @@ bench-plan: venv
 # Bytes a full replica downloads per round in loopback swarms of 2-16 tiny replicas, measured and modelled (~7 min).
 bench-exchange: venv data
 	$(BIN)/hetero-node-lab exchange --out bench/results/exchange-scaling
+
+# The swarm CI's tests run (a bootstrap and 4 full replicas of tiny on 2 shards), 50 times in a row: rounds in which
+# replicas disagree (goal 0), rounds aggregated without every replica, failed runs (about 1 min a run on 2 cores).
+bench-agreement: venv data
+	$(BIN)/hetero-node-lab agreement --out bench/results/agreement
 
 # 20 SIGKILLs (with restarts) and 5 freezes of random peers of a local swarm (no root needed; about 7 min).
 bench-kills: venv data

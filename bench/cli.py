@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from hetero_node.bench.config import (
+    AgreementConfig,
     BenchConfig,
     ByzantineConfig,
     DDPWorkerConfig,
@@ -73,6 +74,16 @@ def bench_kills(cfg: KillSoakConfig) -> None:
     from hetero_node.bench.kill_soak import render_markdown, run_kill_soak
 
     run_with_progress(run_kill_soak, render_markdown, cfg)
+
+
+@lab.command("agreement")
+@expand_dataclass_options
+def bench_agreement(cfg: AgreementConfig) -> None:
+    """The swarm CI's tests run (4 full replicas, 2 shards, tiny), looped: rounds in which replicas disagree, rounds
+    aggregated without every replica, runs that failed (report.json and report.md under --out)."""
+    from hetero_node.bench.agreement import render_markdown, run_agreement
+
+    run_with_progress(run_agreement, render_markdown, cfg)
 
 
 @lab.command("byzantine")

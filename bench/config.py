@@ -150,6 +150,22 @@ ROUND_MODES = ("synchronous", "time-boxed", "overlap")
 
 
 @dataclass(frozen=True)
+class AgreementConfig:
+    """The CI shape looped: fresh loopback swarms of full replicas on 2 shards; defaults take about 1 min a run."""
+
+    runs: int = field(default=50, metadata={"help": "Swarms to run one after the other."})
+    replicas: int = field(default=4, metadata={"help": "Full replicas per swarm."})
+    rounds: int = field(default=4, metadata={"help": "Rounds per swarm."})
+    inner_steps: int = field(default=8, metadata={"help": "Inner steps per round (tiny, batch 8 × 64)."})
+    out: Path = field(default=Path("bench/results/agreement"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "runs", "rounds", "inner_steps")
+        if self.replicas < 2:
+            raise ConfigError(f"--replicas must be at least 2, got {self.replicas}")
+
+
+@dataclass(frozen=True)
 class RoundModesConfig:
     """Which round modes to compare, on what swarm, how many seeds each; defaults take about 15 minutes."""
 

@@ -3,7 +3,7 @@
 A bootstrap, full replicas and virtual replicas (real `hetero-node join` processes, as in `hetero-node-lab kills`) train
 `tiny` in time-boxed rounds for `--minutes`, each peer in a network namespace of its own on a `--link-mbit`
 link shaped with `tc tbf` (or all on loopback with `--link-mbit 0`). Every `--sample-s` the bench reads, for
-each peer's whole process group (the node, hivemind's DHT and averager children, p2pd), the resident memory (VmRSS
+each peer's whole process group (the node, hivemind's DHT child, p2pd), the resident memory (VmRSS
 summed over the group's processes: pages forked children share count once per process, so the level is high but
 its growth is what matters), open file descriptors, threads and processes from /proc. The report says, per peer:
 

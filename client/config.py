@@ -159,7 +159,10 @@ class SyncTimeouts:
     ARCHITECTURE.md)."""
 
     help_panel: ClassVar[str] = "Timeouts"
-    matchmaking_s: float = field(default=4.0, metadata={"help": "Shortest wait of a round's group for late members."})
+    matchmaking_s: float = field(
+        default=4.0,
+        metadata={"help": "Shortest wait of a round for late members, and longest for their seals once we sealed."},
+    )
     straggler_fraction: float = field(
         default=0.5,
         metadata={"help": "A round's group waits this fraction of the round's length past its deadline for members."},

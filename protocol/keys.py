@@ -29,9 +29,14 @@ def peers_key(run_id: str) -> str:
     return f"{run_prefix(run_id)}_{PEERS_FIELD}"
 
 
-def shard_group_prefix(run_id: str, shard: int) -> str:
-    """hivemind averager prefix of one parameter shard's averaging group."""
-    return f"{run_prefix(run_id)}_shard{shard}"
+def roster_key(run_id: str, shard: int, round_: int) -> str:
+    """DHT key of the statements of one shard's round (subkey: each member's public key; `protocol/roster.py`)."""
+    return f"{run_prefix(run_id)}_roster{shard}_{round_}"
+
+
+def seals_key(run_id: str, shard: int, round_: int) -> str:
+    """DHT key of the seals of one shard's round (subkey: each member's public key; `protocol/roster.py`)."""
+    return f"{run_prefix(run_id)}_seals{shard}_{round_}"
 
 
 def blob_handler_name(run_id: str) -> str:

@@ -1,7 +1,7 @@
 """Where hivemind's unix sockets live: one directory per node process, removed when the process ends.
 
 hivemind puts its sockets in /tmp (`hivemind-p2pd-*.sock`, `hivemind-p2pclient-*.sock`) and removes only those of
-P2P objects shut down in the process that made them. The DHT's and the averagers' child processes replicate the
+P2P objects shut down in the process that made them. The DHT's child process replicates the
 daemon and leave their client sockets behind (the trust review counted 7 files after a clean 3-replica demo, 152
 after a test suite and a few runs).
 Pointing hivemind at a directory of our own lets the node remove every one of them on exit; a node that was

@@ -111,7 +111,7 @@ def train_two_replicas(
 @pytest.mark.timeout(400)
 def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribute_every_round(tmp_path: Path) -> None:
     """Neither can dial the other: every byte between them crosses the bootstrap's relay. It needs a reservation
-    on the relay from the start (static relays), averagers that lead groups though their DHT is a client, and
+    on the relay from the start (static relays), statements and seals through the DHT from a client DHT, and
     fetches that resume over a fresh circuit: p2pd's relay resets each circuit after 128 KiB each way, and one
     `small` message (two shards of 142 KB) is larger than that."""
     with LabSwarm(tmp_path, LINK_MBIT, behind_nat=frozenset({"r0", "r1"})) as swarm:

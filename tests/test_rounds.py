@@ -131,10 +131,10 @@ def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_m
         wait_for_round(tmp_path, 1, 1)
         pgid = swarm.processes["r1"].pid
         stopped = time.monotonic()
-        os.killpg(pgid, signal.SIGTERM)  # p2pd, the DHT and averager children get it too
+        os.killpg(pgid, signal.SIGTERM)  # p2pd and the DHT child get it too
         assert swarm.wait("r1", 30) == 0, "SIGTERM to the process group should end the replica cleanly"
         assert time.monotonic() - stopped < 30
-        assert group_is_gone(pgid), "a p2pd or averager child outlived the replica"
+        assert group_is_gone(pgid), "a p2pd or DHT child outlived the replica"
         assert "Traceback" not in swarm.log_path("r1").read_text(), "a normal stop printed a traceback"
         saved = read_checkpoint(tmp_path / "r1.ckpt" / CHECKPOINT_NAME)
         saved_ef = ef_fingerprint(tmp_path / "r1.ckpt")

@@ -1,8 +1,8 @@
 """Start a bootstrap and peers as separate `hetero-node` processes on 127.0.0.1, and always stop them all.
 
 Used by `hetero-node demo`, the lab and the multi-peer tests, so all exercise exactly what a user runs. Each
-process gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child,
-averager children and p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans
+process gets its own session (process group): stopping a peer kills the group, taking hivemind's DHT child and
+p2pd with it (ARCHITECTURE.md, hivemind pitfall E: killing only the main process orphans
 them). The lab's `LabSwarm` (bench/lab_swarm.py) places the same peers in network namespaces on shaped links by
 overriding `host` and `placed`.
 """

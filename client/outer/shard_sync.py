@@ -6,11 +6,11 @@ How a round's messages travel (the design choice the README explains):
    through error feedback, or DiLoCo's dense Δ) and serves the message from memory. A member that trained too
    little this round (or whose pipeline broke) joins with no message: it receives, so it still ends the round
    holding θ(t+1).
-2. hivemind's matchmaking forms the shard's group for round t and gathers each member's metadata (round, start
-   fingerprint, message size and digest, tokens trained), which every member receives identically from the group
-   leader; the all-reduce hivemind would run next is skipped (`averager.ShardAverager`). The group forms as soon
-   as every member the records show in round t has arrived (a ready barrier), or at the round's deadline plus a
-   grace period with whoever is there.
+2. The round's contributor set comes from the DHT, not from a group leader (`roster_round.py`,
+   `protocol/roster.py`): each member stores a signed statement (round, start fingerprint, message size and
+   digest, tokens trained); once every member the records show in round t has one (a ready barrier), or at the
+   round's deadline plus a grace period, each member seals the statements it sees, and every member aggregates
+   the union of the seals. No member can be in two groups and no key can have two: there are no groups.
 3. Every member computes the same subset of at most K contributors (`--max-contributors`, a new subset each
    round: `protocol/flat_exchange.py`), fetches each selected message over a P2P stream from its parent in that
    message's relay tree (the author or a member that already verified it), checks size and digest, decodes it
@@ -49,21 +49,19 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
-from hetero_node.client.outer.averager import ShardAverager
+from hetero_node.client.outer.roster_round import RosterRound
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
-from hetero_node.protocol.keys import shard_group_prefix
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
+from hetero_node.protocol.roster import Entry, Seal, union
 from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
 from hetero_node.protocol.run_config import RunConfig
-from hetero_node.protocol.swarm_key import is_member, member_proof
+from hetero_node.protocol.swarm_key import member_proof
 
 logger = logging.getLogger(__name__)
 
-MOVED_ON_POLL_S = 1.0
-"""While looking for a group, check this often whether the others finished the round without us."""
 RELAY_PATIENCE = 0.5
 """Share of the fetch deadline a member waits for its relay parent to hold a message before asking its author."""
 RELAY_POLL_S = 0.05
@@ -104,7 +102,7 @@ class Member(NamedTuple):
 
 @dataclass
 class PendingRound:
-    """One shard's round between `begin` and `finish`: what this member brought, and hivemind's step handle."""
+    """One shard's round between `begin` and `finish`: what this member brought, and when the round closes."""
 
     round: int
     start: list[Tensor]
@@ -113,7 +111,11 @@ class PendingRound:
     payload: bytes | None
     snapshot: Any = None
     """The method's private state before encoding (restored when the contribution is dropped)."""
-    control: Any = None
+    roster: RosterRound | None = None
+    """Set by `begin` (None: we take no part in the round's set and get θ(t+1) another way)."""
+    expected: int = 0
+    close: float = 0.0
+    """DHT time by which the round's statements are in: seal what is there then."""
 
 
 @dataclass
@@ -164,27 +166,13 @@ class ShardSync:
     ) -> None:
         self.runtime, self.run, self.shard, self.shapes, self.timeouts = runtime, run, shard, shapes, timeouts
         self.stop = stop
-        """The node is leaving: every wait ends at once (its averager and p2pd may already be gone)."""
+        """The node is leaving: every wait ends at once (its DHT and p2pd may already be gone)."""
         self.method: OuterMethod = outer_method(run, shapes, device)
         """Its arithmetic and outer state on `device`, the shard's parameters' (see `protocol/outer_methods.py`)."""
         self.state_bytes = sum(4 * math.prod(s) for s in shapes)
         self.small_messages = 4 * self.method.max_message_bytes <= self.state_bytes
         """Messages are far smaller than the shard's state (SparseLoCo), so the round's messages are re-served and
         a late member rebuilds θ(t+1) from them; dense ones (DiLoCo) are not: a late member loads the state."""
-        self.averager = ShardAverager(
-            [torch.zeros(1)],  # hivemind's averager must hold a tensor; ShardAverager never all-reduces it
-            runtime.dht,
-            prefix=shard_group_prefix(run.run_id, shard),
-            start=True,
-            min_group_size=2,
-            min_matchmaking_time=timeouts.matchmaking_s,
-            request_timeout=min(1.0, timeouts.matchmaking_s / 2),  # below min_matchmaking_time, or hivemind warns
-            allreduce_timeout=timeouts.round_timeout_s,
-            next_chunk_timeout=min(5.0, timeouts.round_timeout_s),  # a dead peer must not hang the others for minutes
-            allow_state_sharing=False,  # state travels through our verified blob handler instead
-            client_mode=False,  # a relayed node's DHT is a client, but it must still lead groups: two relayed
-            # nodes (both behind NAT) would otherwise never form one; its relay reservation makes it reachable
-        )
 
     @property
     def me(self) -> str:
@@ -209,25 +197,15 @@ class ShardSync:
         return PendingRound(round_, start, meta, encoded.payload, encoded.snapshot)
 
     def begin(self, pending: PendingRound, expected: int, scheduled_time: float) -> None:
-        """Start matchmaking in the background: the group forms once `expected` members are in, or at
-        `scheduled_time` (DHT time) with at least two."""
-        from hivemind.utils import get_dht_time
-
-        def wait_s() -> float:
-            return max(0.0, scheduled_time - get_dht_time())
-
-        def timeout() -> float:
-            return wait_s() + 2 * self.timeouts.matchmaking_s  # a group that has not formed by then will not
-
-        logger.info("shard %d round %d: group of %d, for up to %.1f s", self.shard, pending.round, expected, wait_s())
-        # a search still ending holds hivemind's matchmaking lock: our step could not search before it ends anyway
-        if not self.averager.prepare_round(pending.round, max(2, expected), settle_s=timeout()):
-            logger.warning("shard %d round %d: the previous round's group search has not ended; receiving this "
-                           "round from the others' messages", self.shard, pending.round)  # fmt: skip
-            return
-        pending.control = self.averager.step(
-            gather=pending.meta.to_wire(), scheduled_time=get_dht_time() + wait_s(), wait=False, timeout=timeout()
+        """Store our statement for the round: its set is sealed once `expected` members have one, or at
+        `scheduled_time` (DHT time) with whoever has."""
+        pending.roster = RosterRound(
+            self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
         )
+        pending.expected, pending.close = expected, scheduled_time
+        logger.info("shard %d round %d: %d members expected, sealing by DHT time %.1f",
+                    self.shard, pending.round, expected, scheduled_time)  # fmt: skip
+        pending.roster.state(pending.meta)
 
     def drop(self, pending: PendingRound) -> None:
         """The round failed for us: forget our Δ and restore the method's private state (error feedback)."""
@@ -246,57 +224,47 @@ class ShardSync:
     def finish(
         self, pending: PendingRound, swarm_moved_on: Callable[[], bool], vouched: Callable[[], str | None]
     ) -> ShardOutcome:
-        """Wait for the group, then compute θ(t+1) exactly as every other member does (safe in a worker thread).
+        """Agree on the round's contributor set, then compute θ(t+1) exactly as every other member does (safe in a
+        worker thread).
 
-        While still looking for a group, `swarm_moved_on` is polled: once the others finished this round without
-        us, waiting longer cannot help, so matchmaking is cancelled at once. `vouched` breaks a tie of start
-        fingerprints (see `majority_fingerprint`).
+        While the statements come in, `swarm_moved_on` is polled: once the others finished this round without us,
+        waiting longer cannot help. `vouched` breaks a tie of start fingerprints (see `majority_fingerprint`).
         """
-        from hivemind.averaging.control import AveragingStage
+        from hivemind.utils import get_dht_time
 
-        control = pending.control
-        if control is None:  # `begin` started no step
+        roster = pending.roster
+        if roster is None:  # `begin` was not called: we take no part
             return ShardOutcome(new_tensors=None)
-        deadline = time.monotonic() + self.timeouts.round_timeout_s + self.timeouts.matchmaking_s
-        while not control.done() and time.monotonic() < deadline:
-            if self.stop.is_set() or (control.stage == AveragingStage.LOOKING_FOR_GROUP and swarm_moved_on()):
-                control.cancel()
-                break
-            self.stop.wait(MOVED_ON_POLL_S)
-        if self.stop.is_set():
+        statements = roster.await_statements(pending.expected, lambda: pending.close - get_dht_time(), swarm_moved_on)
+        if statements is None:
             return ShardOutcome(new_tensors=None)
-        try:
-            gathered = control.result(0.1)
-        except Exception as e:  # hivemind raises several types for "no group" / "peer vanished"
-            logger.warning("shard %d round %d: no averaging group (%r)", self.shard, pending.round, e)
-            return ShardOutcome(new_tensors=None)
-        members = self._members(gathered, pending.round)
-        majority = majority_fingerprint([m.meta.start_fp for m in members], vouched) if members else ""
-        included = [m for m in members if m.meta.start_fp == majority]
-        if not any(m.name == self.me for m in included):
+        statements.setdefault(self.me, pending.meta)  # our own, whether or not the DHT showed it to us yet
+        majority = majority_fingerprint([meta.start_fp for meta in statements.values()], vouched)
+        if pending.meta.start_fp != majority:
             logger.error(
-                "shard %d round %d: my start fingerprint %s differs from the group's %s; catching up from peers",
+                "shard %d round %d: my start fingerprint %s differs from the round's %s; catching up from peers",
                 self.shard, pending.round, pending.meta.start_fp, majority or "(a tie no record majority breaks)",
             )  # fmt: skip
-            return ShardOutcome(new_tensors=None, group_size=len(gathered))
-        return self._exchange(pending, included, len(gathered))
+            return ShardOutcome(new_tensors=None, group_size=len(statements))
+        entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp == majority]
+        ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
+        roster.seal(ours)
+        agreed = union(roster.await_seals(ours, self.timeouts.matchmaking_s), majority)
+        for author in sorted(agreed.equivocators):
+            logger.warning("shard %d round %d: leaving out %s (two different statements)", self.shard, pending.round,
+                           author)  # fmt: skip
+        members = [self._member(entry, pending.round, majority) for entry in agreed.entries]
+        if [m.name for m in members] in ([], [self.me]):  # a set of one is ours alone: no other member saw it
+            logger.warning("shard %d round %d: no other member sealed with us", self.shard, pending.round)
+            return ShardOutcome(new_tensors=None, group_size=len(members))
+        return self._exchange(pending, members, len(members))
 
-    def _members(self, gathered: dict[Any, Any], round_: int) -> list[Member]:
-        """Members of this round with well-formed metadata, in canonical order (a malformed one is left out)."""
-        members = []
-        for pid, raw in gathered.items():
-            meta = GroupMeta.parse(raw, self.method.max_message_bytes)
-            if meta is None or meta.round != round_:
-                logger.warning(
-                    "shard %d round %d: leaving out %s (malformed or foreign metadata)", self.shard, round_, pid
-                )
-                continue
-            if not is_member(self.runtime.swarm_key, str(pid), meta.proof):
-                logger.warning("shard %d round %d: leaving out %s (not a member of this private swarm)",
-                               self.shard, round_, pid)  # fmt: skip
-                continue
-            members.append(Member(str(pid), pid, meta))
-        return sorted(members)
+    @staticmethod
+    def _member(entry: Entry, round_: int, start_fp: str) -> Member:
+        from hivemind.p2p import PeerID
+
+        meta = GroupMeta(round_, start_fp, entry.size, entry.digest, entry.tokens, proof="")
+        return Member(entry.author, PeerID.from_base58(entry.author), meta)
 
     def _exchange(self, pending: PendingRound, included: list[Member], group_size: int) -> ShardOutcome:
         """Fetch the selected contributors' messages, combine them in canonical order, take the outer step, and serve
@@ -452,9 +420,3 @@ class ShardSync:
             pending.round, pending.meta.start_fp, fingerprint(new), [(r.name, r.digest, r.tokens) for r in used]
         )
         self.runtime.publish(MANIFEST, self.shard, pending.round, manifest)
-
-    def shutdown(self) -> None:
-        """Leave the averaging group; bounded even when the averager's process is already gone (a signal to the
-        whole process group)."""
-        if self.averager.is_alive():
-            self.averager.shutdown()

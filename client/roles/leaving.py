@@ -17,10 +17,9 @@ SHUTDOWN_ERRORS = (ConnectionError, FileNotFoundError, EOFError)
 
 
 def leave_on_signals(stop: threading.Event) -> None:
-    """Ctrl-C / SIGTERM: leave after the current step, shutting the averagers, DHT and p2pd down (killing only the
-    main process would orphan them). Installed again after the averagers start: hivemind's averager sets SIGINT to
-    ignored in the process that creates it. Forked averager processes inherit the handler: there it only quiets
-    the shutdown (they end with the main process)."""
+    """Ctrl-C / SIGTERM: leave after the current step, shutting the DHT and p2pd down (killing only the main process
+    would orphan them). Forked DHT processes inherit the handler: there it only quiets the shutdown (they end with
+    the main process)."""
     main = os.getpid()
 
     def request_stop(signum: int, _frame: Any) -> None:
@@ -34,7 +33,7 @@ def leave_on_signals(stop: threading.Event) -> None:
 
 
 def quiet_shutdown_errors() -> None:
-    """Once the node is leaving, hivemind's background threads (here and in the forked averagers) fail on the
+    """Once the node is leaving, hivemind's background threads (here and in the forked DHT process) fail on the
     daemon that the same signal ended: a traceback per thread in an operator's log for a normal stop. Such errors
     are logged at DEBUG from then on; any other exception still prints as before."""
     if getattr(threading.excepthook, "quiet_shutdown", False):

@@ -266,7 +266,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         return self.round < self.run_cfg.outer.rounds or self.in_flight is not None
 
     def setup(self) -> None:
-        """Averaging groups, state blobs and the metrics file (averagers must start in the main thread)."""
+        """Each shard's round transport, state blobs, signal handlers and the metrics file."""
         shapes = {s: [tuple(p.shape) for p in tensors] for s, tensors in self.params.items()}
         self.syncs = {
             s: ShardSync(self.runtime, self.run_cfg, s, shape, self.timeouts, self.stop, self.params[s][0].device)
@@ -282,12 +282,10 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self.adopt_start()
 
     def close(self) -> None:
-        """Leave the averaging groups; bounded, also when a signal took their processes down already."""
+        """Stop the round workers and write the last checkpoint before the node exits."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.checkpoints is not None:
-            self.checkpoints.close()  # the last round's checkpoint is on disk before the node exits
-        for sync in self.syncs.values():
-            sync.shutdown()
+            self.checkpoints.close()
 
     def wait_for_peers(self, timeout_s: float = 300.0) -> None:
         """Start together: replicas that begin a run seconds apart would miss each other's first rounds."""

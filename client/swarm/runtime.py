@@ -26,7 +26,7 @@ from hetero_node.client.swarm.reachability import PeerDialer, relay_addresses
 from hetero_node.client.swarm.record_reader import read_dictionary, read_peer_records
 from hetero_node.protocol.errors import ConfigError, DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
-from hetero_node.protocol.identity import create_identity, load_identity
+from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
@@ -79,8 +79,8 @@ def relay_options(relays: list[str]) -> dict[str, Any]:
 
 
 def use_fork_start_method() -> None:
-    """hivemind's DHT and averager are `multiprocessing.Process` subclasses that only work when forked (their
-    state holds weakrefs that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
+    """hivemind's DHT is a `multiprocessing.Process` subclass that only works when forked (its state holds weakrefs
+    that cannot be pickled); Python 3.14 changes the default start method, so pin it."""
     multiprocessing.set_start_method("fork", force=True)
 
 
@@ -441,6 +441,25 @@ class PeerRuntime:
         if not self.dht.is_alive():  # a signal to the whole process group took the DHT down: do not wait
             return None
         return read_dictionary(self.dht, key, timeout, self._dht_lock)
+
+    def store_signed(self, key: str, value: Any, lifetime_s: float) -> None:
+        """Store `value` under `key` with our public key as its subkey: signed, so every reader knows it is ours and
+        one author holds one value there (a later store replaces it)."""
+        from hivemind.utils import get_dht_time
+
+        with self._dht_lock:
+            self.dht.store(
+                key, subkey=self.signer.local_public_key, value=value,
+                expiration_time=get_dht_time() + lifetime_s, return_future=True,
+            )  # fmt: skip
+
+    def read_signed(self, key: str, timeout: float) -> dict[str, Any] | None:
+        """The values stored under `key` by `store_signed`, by the peer id of the key that signed each; None when
+        the DHT did not answer in time."""
+        found = self._get(key, timeout)
+        if found is None:
+            return None
+        return {peer: value for subkey, (value, _) in found.items() if (peer := owner_peer_id(subkey)) is not None}
 
     def read_run_announcements(self, timeout: float = 5.0) -> dict[bytes, dict[str, Any]] | None:
         """Run announcements by signing key (validated by the DHT's schema and signature validators)."""

@@ -1,0 +1,119 @@
+"""One shard's round through the DHT roster (`protocol/roster.py`): our statement, our seal once the round's members
+are in, and the union of the seals once the members we sealed have sealed too.
+
+Every wait is bounded (hivemind pitfall C): statements by the round's close (its deadline plus grace), seals by
+`seal_wait_s` past the later of the close and our own seal. The happy path costs a store and a read more than the
+round already had: the statements are read until they are all in, the seals until they are all in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.protocol.keys import roster_key, seals_key
+from hetero_node.protocol.roster import Seal
+from hetero_node.protocol.round_wire import GroupMeta
+from hetero_node.protocol.swarm_key import is_member
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.25
+"""Between two reads of a round's statements or seals."""
+MOVED_ON_EVERY_S = 1.0
+"""While waiting for statements, check this often whether the others finished the round without us."""
+READ_TIMEOUT_S = 2.0
+"""One DHT read of a roster; a DHT that does not answer is read again at the next poll."""
+LIFETIME_S = 600.0
+"""How long statements and seals stay in the DHT: far longer than a round, so a slow member still reads them."""
+
+
+@dataclass
+class RosterRound:
+    """Round `round` of `shard` as this member reads and writes it in the DHT."""
+
+    runtime: PeerRuntime
+    run_id: str
+    shard: int
+    round: int
+    max_size: int
+    """The largest message the run's outer method makes: a statement claiming more is malformed."""
+    stop: threading.Event
+
+    def state(self, meta: GroupMeta) -> None:
+        """Store our statement: what we bring to this round."""
+        self.runtime.store_signed(roster_key(self.run_id, self.shard, self.round), meta.to_wire(), LIFETIME_S)
+
+    def seal(self, seal: Seal) -> None:
+        self.runtime.store_signed(seals_key(self.run_id, self.shard, self.round), seal.to_wire(), LIFETIME_S)
+
+    def statements(self) -> dict[str, GroupMeta] | None:
+        """Well-formed statements of this round by author; None when the DHT did not answer."""
+        found = self.runtime.read_signed(roster_key(self.run_id, self.shard, self.round), READ_TIMEOUT_S)
+        if found is None:
+            return None
+        statements = {}
+        for author, raw in found.items():
+            meta = GroupMeta.parse(raw, self.max_size)
+            if meta is None or meta.round != self.round:
+                logger.warning("shard %d round %d: leaving out %s (malformed or foreign statement)",
+                               self.shard, self.round, author)  # fmt: skip
+            elif not is_member(self.runtime.swarm_key, author, meta.proof):
+                logger.warning("shard %d round %d: leaving out %s (not a member of this private swarm)",
+                               self.shard, self.round, author)  # fmt: skip
+            else:
+                statements[author] = meta
+        return statements
+
+    def seals(self) -> dict[str, Seal] | None:
+        """Well-formed seals of this round by sealer; None when the DHT did not answer."""
+        found = self.runtime.read_signed(seals_key(self.run_id, self.shard, self.round), READ_TIMEOUT_S)
+        if found is None:
+            return None
+        seals = {}
+        for sealer, raw in found.items():
+            seal = Seal.parse(sealer, raw, self.max_size)
+            if seal is None or seal.round != self.round or not is_member(self.runtime.swarm_key, sealer, seal.proof):
+                logger.warning("shard %d round %d: leaving out %s's seal (malformed, foreign or not a member)",
+                               self.shard, self.round, sealer)  # fmt: skip
+            else:
+                seals[sealer] = seal
+        return seals
+
+    def await_statements(
+        self, expected: int, close: Callable[[], float], moved_on: Callable[[], bool]
+    ) -> dict[str, GroupMeta] | None:
+        """The statements once `expected` are in, or those in at the close (`close()`: seconds left); None when we
+        are leaving or the others finished the round without us."""
+        statements: dict[str, GroupMeta] = {}
+        next_check = time.monotonic() + MOVED_ON_EVERY_S
+        while not self.stop.is_set():
+            statements = self.statements() or statements
+            if len(statements) >= expected or close() <= 0:
+                return statements
+            if time.monotonic() >= next_check:
+                if moved_on():
+                    logger.info("shard %d round %d: the others finished it without us", self.shard, self.round)
+                    return None
+                next_check = time.monotonic() + MOVED_ON_EVERY_S
+            self.stop.wait(min(POLL_S, max(0.0, close())))
+        return None
+
+    def await_seals(self, ours: Seal, wait_s: float) -> list[Seal]:
+        """The round's seals once everyone our seal lists has sealed, or those in after `wait_s`; ours always."""
+        give_up = time.monotonic() + wait_s
+        expected = {e.author for e in ours.entries}
+        seals: dict[str, Seal] = {}
+        while not self.stop.is_set():
+            seals = self.seals() or seals
+            if expected <= set(seals) | {ours.sealer} or time.monotonic() >= give_up:
+                break
+            self.stop.wait(POLL_S)
+        missing = sorted(expected - set(seals) - {ours.sealer})
+        if missing:
+            logger.info("shard %d round %d: no seal from %s", self.shard, self.round, ", ".join(missing))
+        return [*(s for name, s in seals.items() if name != ours.sealer), ours]
