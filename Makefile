@@ -24,7 +24,9 @@ demo: venv data
 test: venv data
 	$(BIN)/python -m pytest -q -m "not long" --durations=15
 
-# The slowest scenarios (a `small` model learning, six nodes settling at once, a killed stage being replaced).
+# The slowest scenarios (a `small` model learning, six nodes settling at once, a killed stage being replaced), and
+# those whose ground `make test` covers another way (loopback restarts and late joins, a second and third NAT case,
+# a stage's resume, the 50 Mbit probe, a private swarm's round): each says which test covers it. About 20 min.
 test-long: venv data
 	$(BIN)/python -m pytest -q -m long --durations=15
 

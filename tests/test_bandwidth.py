@@ -27,6 +27,8 @@ CLI = [sys.executable, "-m", "hetero_node.client.cli"]
 RUN = to_argv(RunOptions(preset="tiny", batch_size=4, seq_len=64))
 
 
+# long: a measurement on a shaped link (the probe's arithmetic has unit tests here)
+@pytest.mark.long
 def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> None:
     with NetLab() as lab:
         hub = lab.add_node("boot", up_mbit=1000)

@@ -106,6 +106,8 @@ def train_two_replicas(
     return first, second
 
 
+# long: `make test` keeps one relayed replica (the doctor test above)
+@pytest.mark.long
 @needs_nat_lab
 @pytest.mark.multipeer
 @pytest.mark.timeout(400)
@@ -123,6 +125,8 @@ def test_two_replicas_both_behind_nat_form_groups_through_the_relay_and_contribu
             assert first[t]["bytes_received"] == second[t]["bytes_received"], (first[t], second[t])  # from messages
 
 
+# long: `make test` keeps one relayed replica (the doctor test above)
+@pytest.mark.long
 @needs_nat_lab
 @pytest.mark.multipeer
 @pytest.mark.timeout(480)

@@ -121,6 +121,9 @@ def group_is_gone(pgid: int, timeout: float = 15.0) -> bool:
     return False
 
 
+# long: `make test` restarts a peer from its checkpoint over a real network (test_real_network.py) and
+# checks SIGTERM's exit code (test_deploy.py)
+@pytest.mark.long
 def test_sigterm_to_the_process_group_then_restart_resumes_and_catches_up_from_messages(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         # fixed 5 s rounds: the restart (imports, p2pd, measuring itself: 15-20 s on 2 busy cores) must land within

@@ -88,6 +88,9 @@ def test_four_replicas_aggregate_three_messages_a_round_through_relay_trees_past
     assert evals[3] < evals[0] < 5.6
 
 
+# long: `make test` keeps a keyless peer out of a private swarm (test_trust.py) and tests the robust rule's
+# arithmetic (test_aggregation.py)
+@pytest.mark.long
 def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a_keyless_joiner(
     tmp_path: Path,
 ) -> None:
@@ -106,6 +109,8 @@ def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a
     assert any(r[t]["contributors"] == 2 for r in replicas for t in r), "the two never averaged together"
 
 
+# long: `make test` joins late over a real network instead (test_real_network.py)
+@pytest.mark.long
 def test_late_joiner_catches_up(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         peers = start_replicas(swarm, 2, tmp_path, rounds=10, run_extra={"round_s": 2})
@@ -148,6 +153,8 @@ def test_garbage_and_nan_payloads_are_dropped_and_change_nothing(tmp_path: Path)
         assert record["fingerprints"] == clean[t]["fingerprints"], f"round {t} was changed by the faulty peers"
 
 
+# long: `make test` restarts a peer over a real network (test_real_network.py); checkpoints' refusals are unit tests
+@pytest.mark.long
 def test_a_killed_replica_does_not_stop_the_others_and_a_corrupt_checkpoint_falls_back_to_the_swarm(
     tmp_path: Path,
 ) -> None:

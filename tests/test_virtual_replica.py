@@ -87,6 +87,8 @@ def test_full_and_virtual_replica_agree_learn_and_send_the_codecs_bytes(tmp_path
         assert s0[t]["boundary_bytes_received"] == s1[t]["boundary_bytes_sent"]
 
 
+# long: a stage's resume; `make test` resumes a full replica from its checkpoint (test_real_network.py)
+@pytest.mark.long
 def test_a_stopped_stage_resumes_its_shard_and_error_feedback_from_its_checkpoint(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         peers = start_swarm(swarm, tmp_path, rounds=200, inner_steps=6)
