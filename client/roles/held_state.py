@@ -121,5 +121,6 @@ class HeldState:
             self.syncs[shard].method.load_state_dict(sync_state)
         self.adopt_start()
         self.round = int(state["round"])
+        self.publish_state()  # served at once: a swarm restarted from checkpoints must not wait for a round to end
         outer_state = fingerprint([t for s in sorted(self.syncs) for t in self.syncs[s].method.private_tensors()])
         logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)
