@@ -4,6 +4,10 @@ Blobs are what peers fetch from each other outside hivemind's averaging protocol
 pseudo-gradient (`payload`) and a shard's current weights (`state`, for late joiners and re-syncs). They are
 served from memory by a stream handler registered on the DHT's own libp2p daemon, so they share its peer id.
 Every byte served or fetched is counted here, from the messages actually written to or read from the stream.
+
+Over ~450 lines on purpose: the DHT, the event loop, the blob handlers and the signed stores all go through one
+daemon connection, one loop and one DHT lock, which a split would pass from module to module; what needs none of
+them lives apart (`addresses.py`, `record_reader.py`, `reachability.py`).
 """
 
 from __future__ import annotations
