@@ -13,6 +13,8 @@ from hetero_node.bench.config import ByzantineConfig
 from hetero_node.protocol.errors import ConfigError
 
 
+# long: a lab run (35 s); `make test` checks the rule's arithmetic against attacks (test_aggregation.py)
+@pytest.mark.long
 @pytest.mark.usefixtures("bundled_cache_dir")
 def test_the_robust_rule_blunts_an_attack_the_mean_rule_lets_through(tmp_path: Path) -> None:
     cfg = ByzantineConfig(

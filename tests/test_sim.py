@@ -73,6 +73,8 @@ def test_the_same_seed_gives_the_same_runs(store, method: str) -> None:
     assert other_seed["rounds"][-1]["fingerprints"] != first["rounds"][-1]["fingerprints"]
 
 
+# long: the lab's --jobs plumbing (18 s); the runs themselves are checked in turn above
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_runs_in_worker_processes_give_the_same_report_as_runs_in_turn(bundled_cache_dir: Path, tmp_path: Path) -> None:
     """`--jobs` only changes where runs execute: every run's curve and fingerprints are those of the sweep in turn."""
