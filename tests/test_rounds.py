@@ -71,7 +71,9 @@ def reference_update(record: dict[str, Any]) -> tuple[list[torch.Tensor], list[t
     return update([t / max(tokens) for t in tokens]), update([1.0] * len(tokens))
 
 
-@pytest.mark.long  # forks under load on the landed code too (issue 31: rounds that cannot fork); back in when it lands
+# long: on the DHT roster its replicas agree every round (it forked on hivemind's matchmaking), but the slow
+# replica sits the last rounds out (contributed in rounds 0-2 of 5, twice on 2026-11-26): open in issue 31
+@pytest.mark.long
 def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replicas_agree(tmp_path: Path) -> None:
     recordings = tmp_path / "recorded"
     rounds = 5
