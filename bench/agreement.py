@@ -101,7 +101,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ("runs with a replica not exiting 0 (goal 0)", report["failed_runs"]),
         ("rounds in which replicas disagreed (goal 0)", f"{report['disagreeing_rounds']} of {report['rounds']}"),
         ("rounds some replica aggregated without all", report["rounds_without_every_replica"]),
-        ("median exchange time of a round, s", report["median_comm_s"]),
+        ("median exchange time of a round, s", f"{report['median_comm_s']:.2f}" if report["median_comm_s"] else "-"),
     ]
     lines = ["| figure | value |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
     return "# Round agreement, looped\n\n" + "\n".join(lines) + "\n"
