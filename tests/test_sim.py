@@ -35,6 +35,8 @@ def store(bundled_cache_dir: Path):
     return build_token_store(None, load_tokenizer(None), bundled_cache_dir)
 
 
+# long: the lab's own check against a live swarm (28 s); `make test` keeps the lab's runs in one process
+@pytest.mark.long
 @pytest.mark.multipeer
 @pytest.mark.timeout(300)
 def test_a_lab_round_gives_the_same_weights_as_a_loopback_swarm_round(tmp_path: Path, store) -> None:

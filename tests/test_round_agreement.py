@@ -1,0 +1,57 @@
+"""A round's contributors come from the DHT roster (`protocol/roster.py`): a member frozen between its statement and
+its seal must not split the others, and it comes back to their weights.
+
+Real `hetero-node join` processes on 127.0.0.1. The freeze (SIGSTOP to the member's process group) lasts longer
+than the others wait for its seal (`--matchmaking-s`) and for its message (`--fetch-timeout-s`), so they seal it in
+(it was on time) and then drop its message together.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from swarm_helpers import assert_all_exit_cleanly, rounds_of, start_replicas
+
+from hetero_node.client.cli.local_swarm import LocalSwarm
+
+pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(420)]
+
+FREEZE_S = 15.0
+"""Past the tests' seal wait (3 s) and fetch deadline (10 s)."""
+
+
+def wait_for_log(swarm: LocalSwarm, name: str, text: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in swarm.log_path(name).read_text():
+        assert time.monotonic() < deadline, f"{name} never logged {text!r}"
+        time.sleep(0.05)
+
+
+# long: about 70 s. It fails today whenever one member fetched the frozen member's message in the half second
+# before the freeze and another did not (2 of 3 runs on 2026-11-26): the roster gives everyone the same set, but a
+# message one member got and another timed out on still splits the result. Issue 31's next step (members commit
+# to a result and heal from the union's messages) is what makes it pass every time.
+@pytest.mark.long
+@pytest.mark.xfail(reason="a fetch timeout still splits the result; issue 31's heal step", strict=False)
+def test_a_member_frozen_after_its_statement_does_not_split_the_others_and_comes_back(tmp_path: Path) -> None:
+    rounds, frozen_at = 8, 2
+    with LocalSwarm(tmp_path) as swarm:
+        start_replicas(swarm, 3, tmp_path, rounds=rounds)
+        wait_for_log(swarm, "r2", f"shard 1 round {frozen_at}: ")  # its statements for the round are being stored
+        time.sleep(0.5)  # by its DHT process, which the freeze stops too
+        group = swarm.processes["r2"].pid
+        os.killpg(group, signal.SIGSTOP)
+        time.sleep(FREEZE_S)
+        os.killpg(group, signal.SIGCONT)
+        assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])
+    r0, r1, r2 = (rounds_of(tmp_path, i) for i in range(3))
+    assert set(r0) == set(r1) == set(range(rounds))
+    for t in range(rounds):  # the two that were never frozen hold the same weights after every round
+        assert r0[t]["fingerprints"] == r1[t]["fingerprints"], f"round {t}: the others split"
+    assert r2[rounds - 1]["fingerprints"] == r0[rounds - 1]["fingerprints"], "the frozen member did not come back"
+    back = [t for t in sorted(r2) if t > frozen_at and r2[t]["contributed"]]
+    assert back, "the frozen member never contributed again"
