@@ -1,5 +1,6 @@
-"""What the members of a shard's group exchange around the messages of one outer round: the metadata each gathers
-through matchmaking, the round's manifest, and the blob kinds and digests that name a round's messages.
+"""What the members of a shard's group exchange around the messages of one outer round: the statement each stores
+in the round's roster (`protocol/roster.py`), the round's manifest, and the blob kinds and digests that name a
+round's messages.
 
 Every member parses what the others send with these rules, so they live in `protocol/`: a field added or a bound
 changed here changes what two peers accept from each other (bump `PROTOCOL_VERSION`). The transport that sends
@@ -45,7 +46,7 @@ def digest(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class GroupMeta:
-    """What each member gathers through matchmaking about its contribution (checked before anything uses it)."""
+    """What each member states about its contribution in the round's roster (checked before anything uses it)."""
 
     round: int
     start_fp: str

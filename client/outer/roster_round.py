@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import roster_key, seals_key
@@ -43,6 +43,8 @@ class RosterRound:
     max_size: int
     """The largest message the run's outer method makes: a statement claiming more is malformed."""
     stop: threading.Event
+    left_out: set[str] = field(default_factory=set)
+    """Authors and sealers already logged as left out: the roster is read every POLL_S, the warning said once."""
 
     def state(self, meta: GroupMeta) -> None:
         """Store our statement: what we bring to this round."""
@@ -60,11 +62,9 @@ class RosterRound:
         for author, raw in found.items():
             meta = GroupMeta.parse(raw, self.max_size)
             if meta is None or meta.round != self.round:
-                logger.warning("shard %d round %d: leaving out %s (malformed or foreign statement)",
-                               self.shard, self.round, author)  # fmt: skip
+                self._leave_out(author, "malformed or foreign statement")
             elif not is_member(self.runtime.swarm_key, author, meta.proof):
-                logger.warning("shard %d round %d: leaving out %s (not a member of this private swarm)",
-                               self.shard, self.round, author)  # fmt: skip
+                self._leave_out(author, "not a member of this private swarm")
             else:
                 statements[author] = meta
         return statements
@@ -78,11 +78,15 @@ class RosterRound:
         for sealer, raw in found.items():
             seal = Seal.parse(sealer, raw, self.max_size)
             if seal is None or seal.round != self.round or not is_member(self.runtime.swarm_key, sealer, seal.proof):
-                logger.warning("shard %d round %d: leaving out %s's seal (malformed, foreign or not a member)",
-                               self.shard, self.round, sealer)  # fmt: skip
+                self._leave_out(f"{sealer}'s seal", "malformed, foreign or not a member")
             else:
                 seals[sealer] = seal
         return seals
+
+    def _leave_out(self, what: str, why: str) -> None:
+        if what not in self.left_out:
+            self.left_out.add(what)
+            logger.warning("shard %d round %d: leaving out %s (%s)", self.shard, self.round, what, why)
 
     def await_statements(
         self, expected: int, close: Callable[[], float], moved_on: Callable[[], bool]

@@ -159,7 +159,7 @@ class RoundClock:
     def grace(
         self, records: dict[str, PeerRecord], round_: int, length_s: float | None, accumulation: int = 1
     ) -> float:
-        """How long a group waits past the deadline: a matchmaking window, a fraction of the round, or one and a
+        """How long a group waits past the deadline: `--matchmaking-s`, a fraction of the round, or one and a
         half steps (of `accumulation` batches) of the slowest replica coming to this round, whichever is longest."""
         slowest = max([r.step_s for r in records.values() if coming(r, round_)] + [self.step_s])
         return max(self.matchmaking_s, self.straggler_fraction * (length_s or 0.0), 1.5 * slowest * accumulation)

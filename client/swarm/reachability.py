@@ -121,7 +121,7 @@ class PeerDialer:
     private LAN or loopback; elsewhere a node never connected to a peer gets "routing: not found" (issue 29: a late
     joiner could fetch no state), so every stream to a peer starts with `dial`, and each peer is also dialed as its
     record appears or its addresses change, which puts them into the daemon's peerstore for hivemind's own calls
-    (matchmaking) too. A relayed peer is dialed through its circuits, again at least every REDIAL_S; a relayed node
+    (the DHT) too. A relayed peer is dialed through its circuits, again at least every REDIAL_S; a relayed node
     dials every direct peer out through its NAT, and libp2p prefers that direct connection to the relayed one for
     new streams in either direction: only traffic between two relayed peers then crosses a relay."""
 
