@@ -90,6 +90,12 @@ class OuterMethod(ABC):
         without private state to keep Δ in is never left out: `flat_exchange.contributor_limit`)."""
         self.restore(snapshot)
 
+    def count_deferred(self, payload: bytes, snapshot: Any) -> None:
+        """A message `defer` kept owed was aggregated after all (a later round healed to a set that holds it): take
+        it out of the private state again, and out of `snapshot` (the state before the message encoded since; None
+        if none), so Δ counts once. By default nothing: a method without private state never defers."""
+        return None
+
     @abstractmethod
     def decode(self, payload: bytes) -> Any:
         """A peer's message, strictly checked; `PayloadError` if malformed."""
@@ -172,6 +178,14 @@ class SparseLoCoMethod(OuterMethod):
     def defer(self, snapshot: Any, payload: bytes) -> None:
         """Put what the message sent back into the error feedback: Δ waits in it for a later round."""
         self.compressor.return_sent(self.decode(payload))
+
+    def count_deferred(self, payload: bytes, snapshot: Any) -> None:
+        """`defer` added the message's values back; one message has been encoded since, which decayed them by β
+        (rounds settle before the next one encodes), while the snapshot taken before that encode holds them whole."""
+        message = self.decode(payload)
+        self.compressor.add_sent(self.compressor.buffers, message, -self.config.ef_decay)
+        if snapshot is not None:
+            self.compressor.add_sent(snapshot["buffers"], message, -1.0)
 
     def decode(self, payload: bytes) -> Any:
         return sparse_codec.decode(payload, self.shapes, self.config)

@@ -13,16 +13,19 @@ the same key while the first leader still counted it, and two groups then applie
    any statement only its own author lists (a late or lying author cannot force itself in).
 
 Every member that reads the same seals computes the same set, in any order it reads them; more seals never take an
-honest statement out. This module is the pure part (the wire format and the rules); `client/outer/roster_round.py`
-moves it through the DHT.
+honest statement out. A member that read fewer seals than another (it gave up waiting for a slow sealer) applies a
+smaller set; the next round shows it (start fingerprints differ) and heals it with `widest`: the set that contains
+all the others is the round's, and members holding a smaller one rebuild the round from it (`client/outer/heal.py`).
+Sets only grow, so there is no tie to break. This module is the pure part (the wire format and the rules);
+`client/outer/roster_round.py` moves it through the DHT.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hetero_node.protocol.round_wire import HEX, MAX_TOKENS, PROOF
 
@@ -130,3 +133,17 @@ def union(seals: Iterable[Seal], start_fp: str) -> Union:
     )
     counted = sorted(e for e in listed_by if e.author not in equivocators and e.author not in self_listed)
     return Union(tuple(counted), equivocators, self_listed)
+
+
+K = TypeVar("K")
+T = TypeVar("T", bound=Hashable)
+
+
+def widest(sets: Mapping[K, frozenset[T]]) -> K | None:
+    """The key whose set contains every other set: the round its members converge on when they applied different
+    sets (sets only grow). None when no set contains all the others (nobody holds the union), or when two keys hold
+    the same set: the same messages gave two results, which no rebuild can settle."""
+    if len(set(sets.values())) != len(sets):
+        return None
+    every = frozenset().union(*sets.values())
+    return next((key for key, members in sets.items() if members == every), None)

@@ -342,10 +342,21 @@ class ErrorFeedbackCompressor:
         """Add back what `message` (this compressor's last one) took out of the buffers: the round did not aggregate
         it, so e = β·e_prev + Δ again (up to fp32 rounding) and top-k picks from all of it next round (it then decays
         by β per round like the rest of the buffer, and travels in a message weighted by that round's tokens)."""
+        self.add_sent(self._buffers, message, 1.0)
+
+    def add_sent(self, buffers: Sequence[Tensor], message: SparseMessage, scale: float) -> None:
+        """buffers += scale · what `message` sent, in place (`buffers`: ours, or a snapshot of them)."""
         for i, part in enumerate(message.tensors):
             plan = chunk_plan(self.shapes[i], self.config.chunk, self.config.topk)
-            buf = self._buffers[i]
-            buf.view(-1).index_add_(0, plan.positions(part.indices).to(buf.device), dequantize(part).to(buf.device))
+            buf = buffers[i]
+            sent = dequantize(part).to(buf.device)
+            positions = plan.positions(part.indices).to(buf.device)
+            buf.view(-1).index_add_(0, positions, sent if scale == 1.0 else scale * sent)
+
+    @property
+    def buffers(self) -> list[Tensor]:
+        """The live buffers (for `add_sent`)."""
+        return self._buffers
 
     def state_dict(self) -> dict[str, list[Tensor]]:
         """The buffers, copied to the CPU, for a checkpoint."""

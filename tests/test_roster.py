@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_node.protocol.roster import MAX_SEALED, Entry, Seal, union
+from hetero_node.protocol.roster import MAX_SEALED, Entry, Seal, union, widest
 
 START = "ab" * 32
 OTHER_START = "cd" * 32
@@ -121,3 +121,24 @@ def test_malformed_seals_are_refused() -> None:
         {**good, "extra": 1},
     ]
     assert [Seal.parse("QmA", raw, MAX_SIZE) for raw in broken] == [None] * len(broken)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.frozensets(st.sampled_from(PEERS)), min_size=1, max_size=5, unique=True))
+def test_the_widest_set_holds_every_other_and_is_the_union(sets: list[frozenset[str]]) -> None:
+    """What a heal converges on: the set holding all the others (sets only grow), or nothing when none does."""
+    keyed = {f"fp{i}": s for i, s in enumerate(sets)}
+    winner = widest(keyed)
+    every = frozenset().union(*sets)
+    if every in sets:
+        assert winner is not None and keyed[winner] == every
+        assert all(s <= keyed[winner] for s in sets)
+    else:
+        assert winner is None
+
+
+def test_two_results_of_the_same_set_are_not_healed() -> None:
+    """The same messages gave two fingerprints (a member's arithmetic differs): no rebuild settles that."""
+    assert widest({"fp-a": frozenset({"a", "b"}), "fp-b": frozenset({"a", "b"})}) is None
+    assert widest({"fp-a": frozenset({"a", "b"}), "fp-b": frozenset({"a"})}) == "fp-a"
+    assert widest({"fp-a": frozenset({"a"}), "fp-b": frozenset({"b"})}) is None

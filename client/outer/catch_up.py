@@ -15,13 +15,16 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from hetero_node.client.outer.shard_sync import ShardSync
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.round_wire import MANIFEST, MAX_MANIFEST_BYTES, digest, message_kind, parse_manifest
+
+if TYPE_CHECKING:
+    from hetero_node.client.outer.shard_sync import ShardSync
 
 logger = logging.getLogger(__name__)
 
@@ -100,24 +103,33 @@ def _manifests(
     sync: ShardSync, round_: int, start_fp: str, donors: list[str], timeout_s: float
 ) -> dict[str, tuple[dict, int]]:
     """The first `CORROBORATING_DONORS` donors' manifests of `round_` that start where we are, with their sizes."""
-    from hivemind.p2p import PeerID
-
     found: dict[str, tuple[dict, int]] = {}
     for donor in donors:
         if len(found) == CORROBORATING_DONORS:
             break
-        try:
-            _, data = sync.runtime.fetch(PeerID.from_base58(donor), MANIFEST, sync.shard, round_, MAX_MANIFEST_BYTES,
-                                         timeout_s)  # fmt: skip
-            manifest = parse_manifest(data, round_)
-        except Exception as e:  # no manifest (it was not in the round's group) or a bad one: ask the next donor
-            logger.info("no usable round %d manifest of shard %d from %s: %r", round_, sync.shard, donor, e)
+        got = fetch_manifest(sync, round_, donor, timeout_s)
+        if got is None:
             continue
+        manifest, size = got
         if manifest["start_fp"] != start_fp:
             logger.info("round %d manifest of %s starts from %s, not ours", round_, donor, manifest["start_fp"])
             continue
-        found[donor] = (manifest, len(data))
+        found[donor] = (manifest, size)
     return found
+
+
+def fetch_manifest(sync: ShardSync, round_: int, donor: str, timeout_s: float) -> tuple[dict[str, Any], int] | None:
+    """`donor`'s manifest of `round_` for the shard, strictly parsed, and its size; None if it serves none usable
+    (it was not in the round's set) or does not answer."""
+    from hivemind.p2p import PeerID
+
+    try:
+        _, data = sync.runtime.fetch(PeerID.from_base58(donor), MANIFEST, sync.shard, round_, MAX_MANIFEST_BYTES,
+                                     timeout_s)  # fmt: skip
+        return parse_manifest(data, round_), len(data)
+    except Exception as e:  # no manifest, a bad one, or a peer gone: the caller asks the next donor
+        logger.info("no usable round %d manifest of shard %d from %s: %r", round_, sync.shard, donor, e)
+        return None
 
 
 def _corroborated(manifests: dict[str, tuple[dict, int]]) -> str | None:

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
+from hetero_node.client.outer.heal import Applied, heal
 from hetero_node.client.outer.roster_round import RosterRound
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
@@ -173,6 +174,9 @@ class ShardSync:
         self.small_messages = 4 * self.method.max_message_bytes <= self.state_bytes
         """Messages are far smaller than the shard's state (SparseLoCo), so the round's messages are re-served and
         a late member rebuilds θ(t+1) from them; dense ones (DiLoCo) are not: a late member loads the state."""
+        self.applied: Applied | None = None
+        """The last round this member applied from its own set (small messages only): what `heal` starts from. Set
+        to None whenever θ comes from elsewhere (a state load, a catch-up)."""
 
     @property
     def me(self) -> str:
@@ -239,21 +243,26 @@ class ShardSync:
         if statements is None:
             return ShardOutcome(new_tensors=None)
         statements.setdefault(self.me, pending.meta)  # our own, whether or not the DHT showed it to us yet
-        majority = majority_fingerprint([meta.start_fp for meta in statements.values()], vouched)
+        healed = heal(self, pending, statements)  # round t−1 applied with different sets: the wider one wins
+        if healed is not None:
+            majority, counted = healed.start_fp, healed.counted
+        else:
+            majority = majority_fingerprint([meta.start_fp for meta in statements.values()], vouched)
+            counted = frozenset({majority})
         if pending.meta.start_fp != majority:
             logger.error(
                 "shard %d round %d: my start fingerprint %s differs from the round's %s; catching up from peers",
                 self.shard, pending.round, pending.meta.start_fp, majority or "(a tie no record majority breaks)",
             )  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(statements))
-        entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp == majority]
+        entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         roster.seal(ours)
-        agreed = union(roster.await_seals(ours, self.timeouts.matchmaking_s), majority)
-        for author in sorted(agreed.equivocators):
+        sealed = union(roster.await_seals(ours, self.timeouts.matchmaking_s), majority)
+        for author in sorted(sealed.equivocators):
             logger.warning("shard %d round %d: leaving out %s (two different statements)", self.shard, pending.round,
                            author)  # fmt: skip
-        members = [self._member(entry, pending.round, majority) for entry in agreed.entries]
+        members = [self._member(entry, pending.round, majority) for entry in sealed.entries]
         if [m.name for m in members] in ([], [self.me]):  # a set of one is ours alone: no other member saw it
             logger.warning("shard %d round %d: no other member sealed with us", self.shard, pending.round)
             return ShardOutcome(new_tensors=None, group_size=len(members))
@@ -289,6 +298,7 @@ class ShardSync:
         # our message stays served for KEPT_ROUNDS rounds, so the others fetch it at their pace while we go on
         contributed = any(r.name == self.me for r in used)
         deferred = pending.payload is not None and self.me not in chosen
+        self._keep_applied(pending, used, pending.payload if deferred else None)
         return ShardOutcome(
             new, group_size, len(used), contributed, dropped, traffic.received, deferred, traffic.relayed
         )
@@ -408,12 +418,21 @@ class ShardSync:
         if self.small_messages:
             self.runtime.publish(message_kind(mine.digest), self.shard, pending.round, pending.payload)
         self._serve_manifest(pending, [mine], new)
+        self._keep_applied(pending, [mine], None)
         return ShardOutcome(new, 1, 1, contributed=True)
 
     def serve_void(self, round_: int, start: list[Tensor], start_fp: str) -> None:
         """Nobody completed `round_`: say so in its manifest, so a member that catches up later keeps θ(t) too."""
         manifest = encode_manifest(round_, start_fp, fingerprint(start), [])
         self.runtime.publish(MANIFEST, self.shard, round_, manifest)
+        if self.small_messages:  # an empty set: any member that completed the round holds a wider one
+            self.applied = Applied(round_, start, start_fp, frozenset(), None)
+
+    def _keep_applied(self, pending: PendingRound, used: list[Received], deferred: bytes | None) -> None:
+        """Remember θ(t) and the set we applied for one round, so the next one can heal it (small messages only)."""
+        if self.small_messages:
+            members = frozenset((r.name, r.digest, r.tokens) for r in used)
+            self.applied = Applied(pending.round, pending.start, pending.meta.start_fp, members, deferred)
 
     def _serve_manifest(self, pending: PendingRound, used: list[Received], new: list[Tensor]) -> None:
         manifest = encode_manifest(

@@ -66,6 +66,7 @@ class HeldState:
         new_round, states, size = loaded
         for shard, state in states.items():
             self.set_params(shard, state["tensors"])
+            self.syncs[shard].applied = None  # θ is the donor's now: no set of ours to heal
             try:
                 self.syncs[shard].method.load_shared_state(state.get("shared") or [])
             except PayloadError as e:  # the fingerprint covers the weights, not the shared state: keep ours

@@ -390,6 +390,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         evaluated: the other stages of a virtual replica are not in an eval pass then."""
         for shard, tensors in new.items():
             self.set_params(shard, tensors)
+            if caught_up is not None:  # rebuilt from a donor's set, not ours: nothing of ours to heal
+                self.syncs[shard].applied = None
         if not self.upkeep(new_round):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
             rebase(self.params, progress)
