@@ -288,11 +288,14 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             self.checkpoints.close()
 
     def wait_for_peers(self, timeout_s: float = 300.0) -> None:
-        """Start together: replicas that begin a run seconds apart would miss each other's first rounds."""
+        """Start together: replicas that begin a run seconds apart would miss each other's first rounds. A peer
+        counts once its record advertises fingerprints: it has built (and compiled) its model, which takes a GPU
+        peer up to a minute after it claimed its role; stage peers that started without it trained alone."""
         self.announce()
         deadline = time.monotonic() + timeout_s
         while not self.stop.is_set():
-            online = view.replica_count(self.records(), self.run_cfg.outer.stages)
+            ready = {pid: r for pid, r in self.records().items() if r.fingerprints}
+            online = view.replica_count(ready, self.run_cfg.outer.stages)
             if online >= self.node.min_peers:
                 return
             if time.monotonic() > deadline:
