@@ -6,7 +6,7 @@ import pytest
 from factories import peer_id, peer_record
 
 from hetero_node.client.roles.schedule import MAX_STRETCH, RoundClock
-from hetero_node.protocol.roles import ROLE_FULL
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 from hetero_node.protocol.run_config import OuterConfig
 
 ME = peer_id("me")
@@ -110,6 +110,18 @@ def test_a_round_is_stretched_until_training_fills_the_target_share_next_to_the_
     assert clock(round_s=7.0).round_length(records) == 7.0  # an explicit length wins
     capped = {pid: record.copy(update={"overhead_s": 100.0}) for pid, record in fast}
     assert clock().round_length(capped) == pytest.approx(MAX_STRETCH * 1.0)  # a runaway wait cannot feed back
+
+
+def test_the_round_is_stretched_for_the_full_replicas_overhead_not_the_stage_peers_smaller_one() -> None:
+    """The GPU check's swarm: full replicas spent ~6 s a round outside training (two shards, eval, checkpoint), its
+    stage peers ~2 s; the lower median of all four (2.3 s) gave full replicas 70% utilisation."""
+    full = [replica(name, step_s=0.5) for name in ("a", "b")]
+    stages = [(peer_id(n), peer_record(n, role=ROLE_STAGE, stage=i, vr=0, step_s=0.5)) for i, n in enumerate("cd")]
+    overheads = {peer_id(n): o for n, o in {"a": 6.0, "b": 6.4, "c": 2.0, "d": 2.3}.items()}
+    records = {pid: record.copy(update={"overhead_s": overheads[pid]}) for pid, record in [*full, *stages]}
+    assert clock().round_length(records) == pytest.approx(6.0 * 0.9 / 0.1)  # lower median of the full replicas'
+    only_stages = {pid: r for pid, r in records.items() if r.role == ROLE_STAGE}
+    assert clock().round_length(only_stages) == pytest.approx(2.0 * 0.9 / 0.1)  # no full replica: every peer's
 
 
 def test_a_replica_folds_its_own_measured_overhead_into_the_round_length() -> None:

@@ -38,10 +38,12 @@ is known (a swarm's very first round without a throughput figure), and always wh
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hetero_node.client.swarm.view import coming
 from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_FULL
 from hetero_node.protocol.run_config import OuterConfig
 
 STEP_EMA = 0.5
@@ -136,9 +138,11 @@ class RoundClock:
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
         """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills
-        --target-utilisation of a round next to the swarm's lower-median overhead (None while no step time is
-        known, and for synchronous rounds: with --min-inner-steps ≥ H every replica trains its steps whatever the
-        clock says, and a deadline could only make a late one sit the round out)."""
+        --target-utilisation of a round next to the lower-median overhead of the full replicas (of every peer when
+        none measured one yet): pipeline stages fill a longer round with steps anyway, and their smaller overhead
+        (one shard, no checkpoint) set rounds in which GPU full replicas trained 70% of the time. None while no step
+        time is known, and for synchronous rounds: with --min-inner-steps ≥ H every replica trains its steps
+        whatever the clock says, and a deadline could only make a late one sit the round out."""
         if self.outer.round_s > 0:
             return self.outer.round_s
         if self.outer.min_inner_steps >= self.outer.inner_steps:
@@ -148,13 +152,18 @@ class RoundClock:
             return None
         length = self.outer.inner_steps * fastest
         target = self.outer.target_utilisation
-        overheads = sorted(
-            [r.overhead_s for r in records.values() if r.overhead_s > 0] + [self.overhead_s] * (self.overhead_s > 0)
-        )
+        overheads = sorted(self._full_overheads(records) or self._overheads(records.values(), mine=True))
         if target > 0 and overheads:
             stretched = overheads[(len(overheads) - 1) // 2] * target / (1 - target)
             length = max(length, min(stretched, MAX_STRETCH * length))
         return length
+
+    def _full_overheads(self, records: dict[str, PeerRecord]) -> list[float]:
+        """The measured overheads of the full replicas, ours included if we are one."""
+        return self._overheads([r for r in records.values() if r.role == ROLE_FULL], mine=self.accumulate)
+
+    def _overheads(self, records: Iterable[PeerRecord], mine: bool) -> list[float]:
+        return [r.overhead_s for r in records if r.overhead_s > 0] + [self.overhead_s] * (mine and self.overhead_s > 0)
 
     def grace(
         self, records: dict[str, PeerRecord], round_: int, length_s: float | None, accumulation: int = 1
