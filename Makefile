@@ -66,7 +66,7 @@ gpu-wheels: venv data
 
 # On one GPU: a CUDA member's outer step against a CPU member's, bit for bit (tests/test_outer_devices.py), tokens/s
 # and MFU per preset (compile on and off), and the demo swarm on 178m with and without --overlap (agreement,
-# contributions, utilisation); figures in bench/results/gpu-check. Estimated under 8 min on an H100 (not yet run).
+# contributions, utilisation); figures in bench/results/gpu-check. About 7 min on an H200 (its parts ran 2026-11-26).
 # Where hivemind is missing, installs .whl/ into /tmp/site first (no network); uses .cache/hetero-node if present.
 GPU_CHECK_ARGS ?=
 gpu-check:
