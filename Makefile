@@ -26,7 +26,8 @@ test: venv data
 
 # The slowest scenarios (a `small` model learning, six nodes settling at once, a killed stage being replaced), and
 # those whose ground `make test` covers another way (loopback restarts and late joins, a second and third NAT case,
-# a stage's resume, the 50 Mbit probe, a private swarm's round): each says which test covers it. About 20 min.
+# a stage's resume, the 50 Mbit probe, a private swarm's round, a stock hivemind-dht as the entry point): each says
+# which test covers it. About 20 min.
 test-long: venv data
 	$(BIN)/python -m pytest -q -m long --durations=15
 

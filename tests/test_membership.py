@@ -179,6 +179,9 @@ def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path:
     assert len({p["view"] for p in snapshot["peers"]}) == 1
 
 
+# long: every `make test` swarm bootstraps through `hetero-node bootstrap` (and test_deploy.py through the image's);
+# this checks that a stock `hivemind-dht` entry point works too
+@pytest.mark.long
 def test_stock_hivemind_dht_bootstraps_hetero_node_peers(tmp_path: Path) -> None:
     """A plain `hivemind-dht` announces no run: peers use their own run options, find each other, and read
     each other's signed records through it."""

@@ -123,7 +123,7 @@ def test_malformed_seals_are_refused() -> None:
     assert [Seal.parse("QmA", raw, MAX_SIZE) for raw in broken] == [None] * len(broken)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.frozensets(st.sampled_from(PEERS)), min_size=1, max_size=5, unique=True))
 def test_the_widest_set_holds_every_other_and_is_the_union(sets: list[frozenset[str]]) -> None:
     """What a heal converges on: the set holding all the others (sets only grow), or nothing when none does."""
