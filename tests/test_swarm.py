@@ -42,6 +42,9 @@ def test_three_replicas_agree_learn_and_stay_sparse(tmp_path: Path) -> None:
             assert not r["dropped"]
             if r["contributed"]:  # a replica that missed the round (slow start) rebuilt it from the messages
                 assert 0 < r["bytes_received"] <= r["dense_allreduce_bytes"] / 20
+                phases = r["phases_s"]  # where the round's time went: each phase timed, none negative
+                assert set(phases) == {"encode", "agree", "fetch", "outer", "apply", "eval", "checkpoint"}, phases
+                assert all(seconds >= 0 for seconds in phases.values()) and phases["outer"] > 0
     # a round's dense all-reduce in the largest group (0 in a record of a round its replica rebuilt alone)
     dense = max(record["dense_allreduce_bytes"] for r in replicas for record in r.values())
     for r in replicas:  # others fetch our messages at their pace, so a round's record may show one late

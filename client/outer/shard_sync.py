@@ -135,6 +135,8 @@ class ShardOutcome:
     """This member brought a valid message the round did not select (`--max-contributors`): its Δ stays owed."""
     messages_relayed: int = 0
     """Messages it got from a relay parent rather than from their author."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Seconds this shard's round spent agreeing on its set, fetching and in the outer step (`RoundRecord.phases_s`)."""
 
 
 def majority_fingerprint(fingerprints: list[str], vouched: Callable[[], str | None] = lambda: None) -> str:
@@ -239,6 +241,7 @@ class ShardSync:
         roster = pending.roster
         if roster is None:  # `begin` was not called: we take no part
             return ShardOutcome(new_tensors=None)
+        started = time.perf_counter()
         statements = roster.await_statements(pending.expected, lambda: pending.close - get_dht_time(), swarm_moved_on)
         if statements is None:
             return ShardOutcome(new_tensors=None)
@@ -266,7 +269,10 @@ class ShardSync:
         if [m.name for m in members] in ([], [self.me]):  # a set of one is ours alone: no other member saw it
             logger.warning("shard %d round %d: no other member sealed with us", self.shard, pending.round)
             return ShardOutcome(new_tensors=None, group_size=len(members))
-        return self._exchange(pending, members, len(members))
+        agreed_at = time.perf_counter()
+        outcome = self._exchange(pending, members, len(members))
+        outcome.phases_s["agree"] = agreed_at - started
+        return outcome
 
     @staticmethod
     def _member(entry: Entry, round_: int, start_fp: str) -> Member:
@@ -287,7 +293,9 @@ class ShardSync:
         seed = selection_seed(self.run.run_id, self.shard, pending.round, pending.meta.start_fp)
         chosen = set(selected_contributors([m.name for m in contributors], contributor_limit(self.run.outer), seed))
         selected = [m for m in contributors if m.name in chosen]
+        fetch_started = time.perf_counter()
         messages, dropped, traffic = self._collect_messages(pending, selected, {m.name: m.peer_id for m in included})
+        outer_started = time.perf_counter()
         combined = self.method.combine(
             [r.message for r in messages], [float(r.tokens) for r in messages], [r.name for r in messages]
         )
@@ -299,8 +307,9 @@ class ShardSync:
         contributed = any(r.name == self.me for r in used)
         deferred = pending.payload is not None and self.me not in chosen
         self._keep_applied(pending, used, pending.payload if deferred else None)
+        phases = {"fetch": outer_started - fetch_started, "outer": time.perf_counter() - outer_started}
         return ShardOutcome(
-            new, group_size, len(used), contributed, dropped, traffic.received, deferred, traffic.relayed
+            new, group_size, len(used), contributed, dropped, traffic.received, deferred, traffic.relayed, phases
         )
 
     def _collect_messages(

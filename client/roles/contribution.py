@@ -48,6 +48,7 @@ class Contributing:
         records = self.records()
         fps = self.fingerprints()
         pendings = {}
+        encode_started = time.perf_counter()
         for shard, sync in self.syncs.items():
             try:
                 deltas = self.deltas(shard)
@@ -55,6 +56,7 @@ class Contributing:
             except PayloadError as e:
                 logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); receiving only", t, shard, e)
                 pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], None, 0)
+        encode_s = time.perf_counter() - encode_started
         stages = self.run_cfg.outer.stages
         if view.replica_count(records, stages) <= 1:  # nobody else is alive: a group of one
             futures = {s: done_future(self.syncs[s].solo(p)) for s, p in pendings.items()}
@@ -69,7 +71,8 @@ class Contributing:
                     self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
                 )
         cutoff = weights_at_deadline(self.params) if self.overlap else None
-        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=time.perf_counter() - started)
+        comm_s = time.perf_counter() - started
+        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=comm_s, encode_s=encode_s)
 
     def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
         """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)

@@ -72,6 +72,12 @@ class RoundRecord:
     catch-up, planning: the time between the end of one round's training and the start of the next's)."""
     accumulation: int = 1
     """Batches each inner step accumulated (more than 1 in a round stretched for a fast device)."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Where the round's time outside training went, in seconds (the slowest shard's, where a phase is per shard):
+    encode (error feedback, top-k, 2-bit coding, serving the message), agree (statements and seals in the DHT, and a
+    heal), fetch (the selected messages), outer (decode, combine, outer step, fingerprint, serving the manifest),
+    apply (θ(t+1) into the model, start point, fingerprints, served state), eval, checkpoint. What to profile when
+    utilisation is low: `overhead_s` is their sum plus waiting for the slowest member."""
     ended_at: float = 0.0
     """Wall-clock (Unix) time the record was written: compute utilisation is Σ compute_s over the time between two
     records."""

@@ -105,6 +105,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         """Rounds in a row whose result we could not get though others are ahead: we wait before trying again."""
         self.on_round: Callable[[RoundRecord], None] | None = None
         self._served_mark = 0
+        self.apply_phases_s: dict[str, float] = {}
+        """Seconds the last `apply` spent applying, evaluating and checkpointing (`RoundRecord.phases_s`)."""
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
 
     # ------------------------------------------------------------------------------------------- role hooks
@@ -376,6 +378,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             self.failed_settles = 0
         self.drop_unused(flight, outcomes)
         eval_loss = self.apply(new, flight.round + 1, flight, progress=progress)
+        settled.phases_s = self.apply_phases_s
         self.record_round(flight.round, flight, eval_loss, settled)
 
     def apply(
@@ -391,6 +394,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
 
         A round rebuilt while catching up (`caught_up`: how, and the bytes it cost) is recorded here, and not
         evaluated: the other stages of a virtual replica are not in an eval pass then."""
+        started = time.perf_counter()
         for shard, tensors in new.items():
             self.set_params(shard, tensors)
             if caught_up is not None:  # rebuilt from a donor's set, not ours: nothing of ours to heal
@@ -403,14 +407,20 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self.round = new_round
         self.publish_state()
         self.announce()
+        applied = time.perf_counter()
         trained = flight is not None and flight.trained is not None
         eval_loss = self.evaluate(new_round - 1, trained) if caught_up is None else None
+        evaluated = time.perf_counter()
         self.checkpoint()
         rebase(self.params, progress)
+        self.apply_phases_s = {
+            "apply": applied - started,
+            "eval": evaluated - applied,
+            "checkpoint": time.perf_counter() - evaluated,
+        }
         if caught_up is not None:
-            self.record_round(
-                new_round - 1, None, eval_loss, Settled(caught_up=caught_up[0], catch_up_bytes=caught_up[1])
-            )
+            settled = Settled(caught_up=caught_up[0], catch_up_bytes=caught_up[1], phases_s=self.apply_phases_s)
+            self.record_round(new_round - 1, None, eval_loss, settled)
         return eval_loss
 
     def _bytes_sent_since_last_record(self) -> int:

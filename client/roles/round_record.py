@@ -44,6 +44,8 @@ class InFlight:
     """Local weights at the deadline (the rebase point under --overlap; None: nothing trains meanwhile)."""
     comm_s: float = 0.0
     wait_s: float = 0.0
+    encode_s: float = 0.0
+    """Encoding and serving every shard's message."""
 
     @property
     def round(self) -> int:
@@ -60,6 +62,8 @@ class Settled:
     outcomes: dict[int, ShardOutcome] = field(default_factory=dict)
     caught_up: str = ""
     catch_up_bytes: int = 0
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """This replica's own phases after the exchange (apply, eval, checkpoint)."""
 
 
 def round_record(
@@ -83,6 +87,11 @@ def round_record(
     contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
     # every shard's Δ is either in the aggregate or owed (at least one owed): nothing was lost
     deferred = any(o.deferred for o in outcomes) and all(o.deferred or o.contributed for o in outcomes)
+    phases = {"encode": flight.encode_s} if flight is not None and flight.trained is not None else {}
+    for outcome in outcomes:  # shards settle in parallel: the slowest one's time is the round's
+        for phase, seconds in outcome.phases_s.items():
+            phases[phase] = max(phases.get(phase, 0.0), seconds)
+    phases.update(settled.phases_s)
     return RoundRecord(
         round=round_,
         inner_steps=trained.steps if trained else 0,
@@ -109,6 +118,7 @@ def round_record(
         wait_s=flight.wait_s if flight else 0.0,
         round_s=(flight.plan.length_s or 0.0) if flight else 0.0,
         overhead_s=overhead_s,
+        phases_s={phase: round(seconds, 4) for phase, seconds in phases.items()},
         ended_at=time.time(),
         **extras,
     )
