@@ -47,6 +47,7 @@ GPU_SHAPES: dict[str, tuple[int, int]] = {
     "1b": (8, 1024),
 }
 """(batch size, sequence length) per preset on a GPU: issue 28's shapes for 178m and 1b."""
+OVERLAP_MODES = {"off": False, "on": True}
 CPU_SHAPE = (4, 64)
 """Every preset's shape on a CPU: a smoke test of the code paths, not a measurement."""
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0))
@@ -65,6 +66,10 @@ class GpuCheckConfig:
         default=0.0, metadata={"help": "The device's dense bf16 peak (0: from the GPU's name; unknown: no MFU)."}
     )
     swarm: bool = field(default=True, metadata={"help": "Also run the demo swarm, with and without --overlap."})
+    overlap_modes: str = field(
+        default="off,on",
+        metadata={"help": "The swarm's runs, comma-separated: off (without --overlap), on (with it); one fits a call."},
+    )
     swarm_preset: str = field(default="178m", metadata={"help": "The swarm's model preset."})
     rounds: int = field(default=4, metadata={"help": "The swarm's outer rounds."})
     inner_steps: int = field(default=10, metadata={"help": "The swarm's H."})
@@ -78,10 +83,16 @@ class GpuCheckConfig:
             raise ConfigError("--warmup-steps and --peak-tflops must not be negative")
         for name in (*self.preset_list, self.swarm_preset):
             get_preset(name)  # a typo fails now, not after minutes of measuring
+        if not self.overlap_list or any(m not in OVERLAP_MODES for m in self.overlap_modes.split(",")):
+            raise ConfigError(f"--overlap-modes takes off and/or on, comma-separated; got {self.overlap_modes!r}")
 
     @property
     def preset_list(self) -> list[str]:
         return [p.strip() for p in self.presets.split(",") if p.strip()]
+
+    @property
+    def overlap_list(self) -> list[bool]:
+        return [OVERLAP_MODES[m] for m in self.overlap_modes.split(",") if m in OVERLAP_MODES]
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -184,6 +195,7 @@ def round_split(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "comm_s": r["comm_s"],
                 "wait_s": r.get("wait_s", 0.0),
                 "overhead_s": r.get("overhead_s", 0.0),
+                "phases_s": r.get("phases_s", {}),
                 "wall_s": None if wall is None else round(wall, 3),
                 "contributed": r["contributed"],
             }
@@ -263,7 +275,7 @@ def _throughput_table(figures: list[dict[str, Any]]) -> Table:
 def _swarm_table(swarm: dict[str, Any]) -> Table:
     table = Table(title=f"swarm {'with' if swarm['overlap'] else 'without'} --overlap: full replicas' rounds")
     for column in ("replica", "utilisation", "round", "steps", "compute s", "exchange s", "blocked s", "overhead s",
-                   "round wall s", "contributed"):  # fmt: skip
+                   "round wall s", "contributed", "phases s"):  # fmt: skip
         table.add_column(column)
     for replica in swarm["replicas"]:
         util = "-" if replica["utilisation"] is None else f"{100 * replica['utilisation']:.0f}%"
@@ -272,6 +284,7 @@ def _swarm_table(swarm: dict[str, Any]) -> Table:
                 replica["peer_id"][-8:], util, str(r["round"]), str(r["inner_steps"]), f"{r['compute_s']:.2f}",
                 f"{r['comm_s']:.2f}", f"{r['wait_s']:.2f}", f"{r['overhead_s']:.2f}",
                 "-" if r["wall_s"] is None else f"{r['wall_s']:.2f}", str(r["contributed"]),
+                " ".join(f"{phase} {seconds:.2f}" for phase, seconds in r["phases_s"].items()),
             )  # fmt: skip
             util = ""
     return table
@@ -305,7 +318,7 @@ def run_gpu_check(cfg: GpuCheckConfig, console: Console) -> dict[str, Any]:
     if cfg.swarm:
         if device.type == "cpu":  # the peers pick their device themselves (auto): keep them off any GPU too
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        for overlap in (False, True):
+        for overlap in cfg.overlap_list:
             swarm = run_swarm(cfg, overlap, console)
             console.print(_swarm_table(swarm))
             result["swarm"].append(swarm)

@@ -14,6 +14,7 @@ from rich.console import Console
 from hetero_node.bench.gpu_check import GpuCheckConfig, run_gpu_check, training_flops_per_token
 from hetero_node.models.config import get_preset
 from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.errors import ConfigError
 
 
 def smoke_config(out: Path, swarm: bool) -> GpuCheckConfig:
@@ -37,6 +38,15 @@ def test_flops_per_token_counts_every_matmul_weight() -> None:
     matmul_weights = sum(m.weight.numel() for m in layers if isinstance(m, torch.nn.Linear))
     attention = 12 * cfg.n_layers * cfg.d_model * seq
     assert training_flops_per_token(cfg, seq) == 6 * matmul_weights + attention
+
+
+def test_the_swarm_runs_one_overlap_mode_or_both_and_a_typo_fails_at_once() -> None:
+    """One device call may fit one swarm run: `--overlap-modes on` runs only the overlapped one."""
+    assert GpuCheckConfig().overlap_list == [False, True]
+    assert GpuCheckConfig(overlap_modes="on").overlap_list == [True]
+    for bad in ("yes", "off,", ""):
+        with pytest.raises(ConfigError, match="--overlap-modes"):
+            GpuCheckConfig(overlap_modes=bad)
 
 
 def check_throughput(result: dict, peak_tflops: float) -> None:
