@@ -76,6 +76,9 @@ def test_a_late_joiner_loads_state_over_the_network_and_contributes_without_stal
     assert f"left the swarm after {len(early)} rounds" in log, log[-2000:]
 
 
+# long: test_nat.py checks doctor on a reachable node over the same namespaced network; this one adds join's default
+# host and the loopback-bind explanation
+@pytest.mark.long
 def test_doctor_checks_with_joins_default_host_and_names_a_loopback_bind(tmp_path: Path) -> None:
     """Without --host, doctor listens where join does (every interface) and is reachable; told to listen on
     127.0.0.1 it says that the loopback bind, not NAT, keeps peers out."""
