@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+MANIFEST_TIMEOUT_S = 5.0
+"""A manifest is a few kilobytes: a holder that cannot serve one in this long (frozen, gone) is asked no longer, so a
+stale member's fingerprint cannot hold a round up for the whole fetch deadline."""
+
 Contribution = tuple[str, str, int]
 """(author, digest, tokens): one message a round aggregated, as its manifest lists it."""
 
@@ -87,7 +91,7 @@ def heal(sync: ShardSync, pending: PendingRound, statements: dict[str, GroupMeta
 def _applied_by(sync: ShardSync, holders: list[str], applied: Applied) -> frozenset[Contribution] | None:
     """The set the first of `holders` that serves round t's manifest applied, if it started where we did."""
     for holder in holders:
-        got = fetch_manifest(sync, applied.round, holder, sync.timeouts.fetch_timeout_s)
+        got = fetch_manifest(sync, applied.round, holder, min(MANIFEST_TIMEOUT_S, sync.timeouts.fetch_timeout_s))
         manifest = None if got is None else got[0]
         if manifest is not None and manifest["start_fp"] == applied.start_fp:
             return frozenset((name, digest, tokens) for name, digest, tokens in manifest["members"])
