@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from types import FrameType
@@ -52,6 +53,8 @@ the addresses it learned, as volunteers on the internet must."""
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,39}$")
 NODE_IF = "eth0"
 BRIDGE = "br0"
+CUT_BRIDGE = "br1"
+"""Where `NetLab.partition` moves the ports of the nodes it cuts off."""
 TERM_GRACE_S = 3.0
 
 # tbf settings. tbf sends a packet only when its whole length fits in the bucket, so burst must hold at least
@@ -131,6 +134,8 @@ class LabNode:
     veth: str  # the node's interface, inside its namespace
     up_mbit: float
     down_mbit: float
+    hub_port: str = ""
+    """Its veth's end on the hub's bridge ("" for a node behind a NAT router: its router has one)."""
     latency_ms: float = 0.0
     """One-way latency of its access link: a connection to another node is delayed by the sum of theirs, each way
     (`start_delays`)."""
@@ -155,6 +160,7 @@ class NetLab:
         self.nodes: dict[str, LabNode] = {}
         self._namespaces: list[str] = []
         self._processes: list[subprocess.Popen] = []
+        self._cut: set[str] = set()
         self._previous_handlers: dict[int, Any] = {}
         atexit.register(self.close)
         self._install_signal_handlers()
@@ -194,8 +200,8 @@ class NetLab:
         if index >= 253:
             raise ValueError("a lab holds at most 253 nodes (one /24)")
         address = f"{self.subnet}.{index + 1}"
-        node = LabNode(name, f"{self.tag}-{name}", address, NODE_IF, up_mbit, down_mbit, latency_ms)
         hub_if = f"n{index}"
+        node = LabNode(name, f"{self.tag}-{name}", address, NODE_IF, up_mbit, down_mbit, hub_if, latency_ms)
         self._add_namespace(node.namespace)
         _sh(["ip", "-n", self.hub, "link", "add", hub_if, "type", "veth", "peer", "name", NODE_IF,
              "netns", node.namespace])  # fmt: skip
@@ -230,6 +236,27 @@ class NetLab:
         self.nodes[name] = node
         log.info("lab %s: node %s at %s behind NAT router %s", self.tag, name, node.address, router.address)
         return node
+
+    def partition(self, names: Iterable[str]) -> None:
+        """Cut the nodes `names` off from the others: their ports move to a bridge of their own, so they reach each
+        other and nobody else, and open connections see packets vanish as on a broken link (`rejoin` undoes it)."""
+        if not self._cut:
+            _sh(["ip", "-n", self.hub, "link", "add", CUT_BRIDGE, "type", "bridge"], check=False)
+            _sh(["ip", "-n", self.hub, "link", "set", CUT_BRIDGE, "up"])
+        for name in names:
+            port = self.nodes[name].hub_port
+            if not port:
+                raise ValueError(f"node {name!r} sits behind a NAT router: cut the router off instead")
+            _sh(["ip", "-n", self.hub, "link", "set", port, "master", CUT_BRIDGE])
+            self._cut.add(name)
+        log.info("lab %s: %s cut off from the others", self.tag, ", ".join(sorted(self._cut)))
+
+    def rejoin(self) -> None:
+        """Undo `partition`: every node is on the one bridge again."""
+        for name in sorted(self._cut):
+            _sh(["ip", "-n", self.hub, "link", "set", self.nodes[name].hub_port, "master", BRIDGE])
+        log.info("lab %s: %s joined again", self.tag, ", ".join(sorted(self._cut)))
+        self._cut.clear()
 
     def start_delays(self) -> None:
         """Give every connection between lab nodes its latency: a delaying proxy in each node's namespace takes

@@ -101,7 +101,9 @@ def serve(runtime: PeerRuntime, round_: int, weight: float, advertise: dict[str,
     tensors = {shard: [torch.full(shape, weight) for shape in shapes] for shard, shapes in SHAPES.items()}
     ShardStates(runtime, SHAPES, None, fetch_timeout_s=10).publish(round_, tensors, None)
     fps = {str(shard): state_fingerprint(ts, None) for shard, ts in tensors.items()}
-    fields = record_fields(str(runtime.peer_id), role=ROLE_FULL, round=round_, fingerprints=advertise or fps)
+    fields = record_fields(
+        str(runtime.peer_id), role=ROLE_FULL, round=round_, certified=round_, fingerprints=advertise or fps
+    )
     runtime.announce(PeerRecord(**fields), refresh_s=2.0)
     return fps
 

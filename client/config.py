@@ -173,8 +173,17 @@ class SyncTimeouts:
         default=30.0,
         metadata={"help": "A pipeline stage that hears nothing from its neighbours this long gives up the round."},
     )
+    quorum_patience: int = field(
+        default=5,
+        metadata={
+            "help": "Rounds without a quorum before members whose records are gone stop counting towards it (a "
+            "partition shorter than this cannot fork the swarm; survivors of a crash wait this long)."
+        },
+    )
 
     def __post_init__(self) -> None:
-        require_positive(self, "matchmaking_s", "round_timeout_s", "fetch_timeout_s", "stage_timeout_s")
+        require_positive(
+            self, "matchmaking_s", "round_timeout_s", "fetch_timeout_s", "stage_timeout_s", "quorum_patience"
+        )
         if not 0 <= self.straggler_fraction <= 1:
             raise ConfigError(f"--straggler-fraction must be in [0, 1], got {self.straggler_fraction}")

@@ -81,6 +81,9 @@ class PeerRecord(pydantic.BaseModel):
     vr: conint(strict=True, ge=-1, le=1_000_000)  # type: ignore[valid-type]
     round: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
     """The round whose start weights θ(t) this peer holds."""
+    certified: conint(strict=True, ge=0, le=10**9)  # type: ignore[valid-type]
+    """The latest round whose θ this peer holds from a certified round (`protocol/quorum.py`), or from a peer that
+    did: what "the swarm is ahead" reads. At most `round`: a round voided keeps θ and moves `round` alone."""
     train_round: conint(strict=True, ge=-1, le=10**9)  # type: ignore[valid-type]
     """The round this peer is training or contributing to (-1: none yet); one above `round` while an overlapped
     exchange is in flight."""

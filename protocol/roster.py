@@ -135,6 +135,13 @@ def union(seals: Iterable[Seal], start_fp: str) -> Union:
     return Union(tuple(counted), equivocators, self_listed)
 
 
+def agreeing(seals: Iterable[Seal], counted: Union, start_fp: str) -> frozenset[str]:
+    """The sealers whose seal lists exactly the round's union: what a certificate counts (`protocol/quorum.py`).
+    Two members that certify each hold more than half of one base, so they share a sealer; its seal only grows
+    (a member re-seals its union), so the sets they certified are nested, and the next round joins them."""
+    return frozenset(s.sealer for s in seals if s.start_fp == start_fp and s.entries == counted.entries)
+
+
 K = TypeVar("K")
 T = TypeVar("T", bound=Hashable)
 

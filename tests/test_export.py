@@ -65,7 +65,7 @@ def write_checkpoint(
     directory: Path, run: RunConfig, module: torch.nn.Module, slot: list[int], round_: int = 3
 ) -> Path:
     replica = SimpleNamespace(
-        node=SimpleNamespace(checkpoint_dir=directory), run_cfg=run, round=round_, slot=lambda: slot,
+        node=SimpleNamespace(checkpoint_dir=directory), run_cfg=run, round=round_, certified=round_, slot=lambda: slot,
         module=module, trainer=SimpleNamespace(state_dict=dict), syncs={}, checkpoint_extras=dict, checkpoints=None,
     )  # fmt: skip
     Replica.checkpoint(replica)  # type: ignore[arg-type]

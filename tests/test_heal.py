@@ -19,11 +19,14 @@ from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome, Shar
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.outer_methods import OuterMethod
 from hetero_node.protocol.roster import Entry
+from hetero_node.protocol.run_config import PipelineConfig
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
 
 SHAPES = [(64, 48), (300,)]
 TOKENS = 64
+DENSE_BOUNDARIES = PipelineConfig(activation_compression="none")
+"""No subspace upkeep after the outer step: θ(t+1) is the step's result alone, which a heal can rebuild."""
 
 
 def deltas(seed: int) -> list[torch.Tensor]:
@@ -36,8 +39,9 @@ def finish_both(syncs: list[ShardSync], pendings: list[PendingRound]) -> list[Sh
     from hivemind.utils import get_dht_time
 
     close = get_dht_time() + 20
+    names = [sync.me for sync in syncs]
     for sync, pending in zip(syncs, pendings, strict=True):
-        sync.begin(pending, expected=2, scheduled_time=close)
+        sync.begin(pending, coming=names, live=names, scheduled_time=close)
     with ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(s.finish, p, lambda: False, lambda: None) for s, p in zip(syncs, pendings, strict=True)]
         return [job.result() for job in jobs]
@@ -46,13 +50,16 @@ def finish_both(syncs: list[ShardSync], pendings: list[PendingRound]) -> list[Sh
 def test_a_member_that_applied_the_smaller_set_rebuilds_the_wider_one_and_both_agree() -> None:
     with swarm(2) as runtimes:
         stop = threading.Event()
-        syncs = [ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(fetch_timeout_s=10.0), stop) for r in runtimes]
+        run = run_config(pipeline=DENSE_BOUNDARIES)
+        syncs = [ShardSync(r, run, 0, SHAPES, SyncTimeouts(fetch_timeout_s=10.0), stop) for r in runtimes]
+        assert all(s.heals for s in syncs)
+        assert not ShardSync(runtimes[0], run_config(), 0, SHAPES, SyncTimeouts(), stop).heals  # subspace upkeep
         a = syncs[0].me
         start = [torch.full(s, 0.5) for s in SHAPES]
         # round 0: both contribute and state it; a applies {a, b}, b applies {a} (it left itself out)
         round0 = [sync.contribution(0, start, fingerprint(start), deltas(i), TOKENS) for i, sync in enumerate(syncs)]
         for sync, pending in zip(syncs, round0, strict=True):
-            sync.begin(pending, expected=2, scheduled_time=0.0)
+            sync.begin(pending, coming=[s.me for s in syncs], live=[s.me for s in syncs], scheduled_time=0.0)
         members = {
             sync.me: ShardSync._member(Entry(sync.me, p.meta.size, p.meta.digest, p.meta.tokens), 0, p.meta.start_fp)
             for sync, p in zip(syncs, round0, strict=True)

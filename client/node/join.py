@@ -75,6 +75,7 @@ def _initial_record(
         vr=-1,
         claimed_at=0.0,
         round=0,
+        certified=0,
         train_round=-1,
         deadline=0.0,
         step_s=round(step_s, 4),

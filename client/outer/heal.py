@@ -69,7 +69,7 @@ def heal(sync: ShardSync, pending: PendingRound, statements: dict[str, GroupMeta
     most common fingerprint decides, as for DiLoCo)."""
     applied = sync.applied
     fps = {meta.start_fp for meta in statements.values()}
-    if len(fps) < 2 or applied is None or applied.round != pending.round - 1 or not sync.small_messages:
+    if len(fps) < 2 or applied is None or applied.round != pending.round - 1 or not sync.heals:
         return None
     mine = pending.meta.start_fp
     holders = {fp: sorted(a for a, m in statements.items() if m.start_fp == fp and a != sync.me) for fp in fps}

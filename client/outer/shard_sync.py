@@ -56,7 +56,8 @@ from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
-from hetero_node.protocol.roster import Entry, Seal, union
+from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
+from hetero_node.protocol.roster import Entry, Seal
 from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.swarm_key import member_proof
@@ -117,6 +118,8 @@ class PendingRound:
     expected: int = 0
     close: float = 0.0
     """DHT time by which the round's statements are in: seal what is there then."""
+    base: frozenset[str] = frozenset()
+    """The round's quorum base (`protocol/quorum.py`): more than half of these must seal it for it to count."""
 
 
 @dataclass
@@ -137,6 +140,10 @@ class ShardOutcome:
     """Messages it got from a relay parent rather than from their author."""
     phases_s: dict[str, float] = field(default_factory=dict)
     """Seconds this shard's round spent agreeing on its set, fetching and in the outer step (`RoundRecord.phases_s`)."""
+    uncertified: bool = False
+    """The round's seals came from no majority of its quorum base: we void it, whatever the seals we read say."""
+    sealed_by: frozenset[str] = frozenset()
+    """Who sealed the round as we read it (an uncertified round: they are where we are, not worth waiting for)."""
 
 
 def majority_fingerprint(fingerprints: list[str], vouched: Callable[[], str | None] = lambda: None) -> str:
@@ -176,9 +183,16 @@ class ShardSync:
         self.small_messages = 4 * self.method.max_message_bytes <= self.state_bytes
         """Messages are far smaller than the shard's state (SparseLoCo), so the round's messages are re-served and
         a late member rebuilds θ(t+1) from them; dense ones (DiLoCo) are not: a late member loads the state."""
+        self.heals = self.small_messages and not run.pipeline.compressed
+        """A round applied with a smaller set can be rebuilt inside the next one (`heal`): its messages are re-served,
+        and θ(t+1) is the outer step's result alone. In a subspace run the replica's upkeep (drift transfer, start
+        projection) transforms θ(t+1) and T_fixed after the step, which a rebuild inside the round cannot redo: there
+        a member that applied another set catches up between rounds, where the upkeep runs."""
         self.applied: Applied | None = None
-        """The last round this member applied from its own set (small messages only): what `heal` starts from. Set
-        to None whenever θ comes from elsewhere (a state load, a catch-up)."""
+        """The last round this member applied from its own set (where it `heals`): what `heal` starts from. Set to
+        None whenever θ comes from elsewhere (a state load, a catch-up)."""
+        self.certificate: Certificate | None = None
+        """The last round of this shard we certified: its sealers are the next round's quorum base."""
 
     @property
     def me(self) -> str:
@@ -202,15 +216,22 @@ class ShardSync:
         self.runtime.publish(PAYLOAD, self.shard, round_, encoded.payload)
         return PendingRound(round_, start, meta, encoded.payload, encoded.snapshot)
 
-    def begin(self, pending: PendingRound, expected: int, scheduled_time: float) -> None:
-        """Store our statement for the round: its set is sealed once `expected` members have one, or at
-        `scheduled_time` (DHT time) with whoever has."""
+    def quorum(self, round_: int, coming: list[str], live: list[str]) -> frozenset[str]:
+        """The quorum base of round `round_` (`protocol/quorum.py`), from our last certificate, or without one from
+        the members the records show `coming`; `live`: the shard's members that have a record."""
+        since = round_ - self.certificate.round - 1 if self.certificate is not None else 0
+        return quorum_base(self.certificate, since, self.timeouts.quorum_patience, [*live, self.me], [*coming, self.me])
+
+    def begin(self, pending: PendingRound, coming: list[str], live: list[str], scheduled_time: float) -> None:
+        """Store our statement for the round: its set is sealed once every member `coming` has one (at least two),
+        or at `scheduled_time` (DHT time) with whoever has."""
         pending.roster = RosterRound(
             self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
         )
-        pending.expected, pending.close = expected, scheduled_time
+        pending.expected, pending.close = max(2, len(coming)), scheduled_time
+        pending.base = self.quorum(pending.round, coming, live)
         logger.info("shard %d round %d: %d members expected, sealing by DHT time %.1f",
-                    self.shard, pending.round, expected, scheduled_time)  # fmt: skip
+                    self.shard, pending.round, pending.expected, scheduled_time)  # fmt: skip
         pending.roster.state(pending.meta)
 
     def drop(self, pending: PendingRound) -> None:
@@ -261,18 +282,51 @@ class ShardSync:
         entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         roster.seal(ours)
-        sealed = union(roster.await_seals(ours, self.timeouts.matchmaking_s), majority)
+        seals = roster.await_seals(ours, self.timeouts.matchmaking_s)
+        sealed, sealers = roster.converge(ours, seals, pending.base, self.timeouts.matchmaking_s)
         for author in sorted(sealed.equivocators):
             logger.warning("shard %d round %d: leaving out %s (two different statements)", self.shard, pending.round,
                            author)  # fmt: skip
         members = [self._member(entry, pending.round, majority) for entry in sealed.entries]
         if [m.name for m in members] in ([], [self.me]):  # a set of one is ours alone: no other member saw it
             logger.warning("shard %d round %d: no other member sealed with us", self.shard, pending.round)
-            return ShardOutcome(new_tensors=None, group_size=len(members))
+            return ShardOutcome(new_tensors=None, group_size=len(members), deferred=pending.payload is not None)
+        if not self._certify(pending, sealers):
+            everyone = frozenset(s.sealer for s in seals if s.start_fp == majority)
+            owed = pending.payload is not None  # our Δ stays in the error feedback for a later round
+            return ShardOutcome(
+                new_tensors=None, group_size=len(members), uncertified=True, sealed_by=everyone, deferred=owed
+            )
         agreed_at = time.perf_counter()
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
+
+    def adopt_certificate(self, round_: int) -> None:
+        """θ(t+1) came from others (their round's messages, or a state): round t's sealers as the DHT shows them
+        become our quorum base, so a member that caught up counts the swarm as it is now, not as it last saw it."""
+        if round_ < 0 or (self.certificate is not None and self.certificate.round >= round_):
+            return
+        roster = RosterRound(self.runtime, self.run.run_id, self.shard, round_, self.method.max_message_bytes,
+                             self.stop)  # fmt: skip
+        seals = list((roster.seals() or {}).values())
+        if seals:
+            start_fp, _ = Counter(seal.start_fp for seal in seals).most_common(1)[0]
+            sealers = frozenset(seal.sealer for seal in seals if seal.start_fp == start_fp)
+            self.certificate = Certificate(round_, sealers, start_fp)
+
+    def _certify(self, pending: PendingRound, sealers: frozenset[str]) -> bool:
+        """Whether more than half of the round's quorum base sealed it (then it is our new certificate); a round
+        that is not certified is voided by us, so the minority side of a partition never moves on alone."""
+        if certifies(sealers, pending.base):
+            self.certificate = Certificate(pending.round, sealers, pending.meta.start_fp)
+            return True
+        logger.warning(
+            "shard %d round %d: not certified: sealed by %d of the %d members of its quorum base (%s); voiding it "
+            "unless a majority did", self.shard, pending.round, len(sealers & pending.base), len(pending.base),
+            ", ".join(sorted(pending.base - sealers)) or "-",
+        )  # fmt: skip
+        return False
 
     @staticmethod
     def _member(entry: Entry, round_: int, start_fp: str) -> Member:
@@ -415,10 +469,13 @@ class ShardSync:
 
     # -------------------------------------------------------------------------------------------------- solo
 
-    def solo(self, pending: PendingRound) -> ShardOutcome:
+    def solo(self, pending: PendingRound, live: list[str]) -> ShardOutcome:
         """No other replica is alive: apply our own contribution with the same rule (a group of one), and serve
         the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
-        joiner) can follow."""
+        joiner) can follow. Only if we alone are a quorum: a peer cut off from the others is not alone."""
+        pending.base = self.quorum(pending.round, [], live)
+        if not self._certify(pending, frozenset({self.me})):
+            return ShardOutcome(new_tensors=None, group_size=1, uncertified=True)
         if pending.payload is None:
             return ShardOutcome([s.clone() for s in pending.start], 1, 0)
         mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)
@@ -430,16 +487,17 @@ class ShardSync:
         self._keep_applied(pending, [mine], None)
         return ShardOutcome(new, 1, 1, contributed=True)
 
-    def serve_void(self, round_: int, start: list[Tensor], start_fp: str) -> None:
-        """Nobody completed `round_`: say so in its manifest, so a member that catches up later keeps θ(t) too."""
+    def serve_void(self, round_: int, start: list[Tensor], start_fp: str, owed: bytes | None = None) -> None:
+        """Nobody completed `round_` as we saw it: say so in its manifest, so a member that catches up later keeps
+        θ(t) too. `owed`: our message, whose Δ we keep owed (a set that holds it after all counts it once)."""
         manifest = encode_manifest(round_, start_fp, fingerprint(start), [])
         self.runtime.publish(MANIFEST, self.shard, round_, manifest)
-        if self.small_messages:  # an empty set: any member that completed the round holds a wider one
-            self.applied = Applied(round_, start, start_fp, frozenset(), None)
+        if self.heals:  # an empty set: any member that completed the round holds a wider one
+            self.applied = Applied(round_, start, start_fp, frozenset(), owed)
 
     def _keep_applied(self, pending: PendingRound, used: list[Received], deferred: bytes | None) -> None:
         """Remember θ(t) and the set we applied for one round, so the next one can heal it (small messages only)."""
-        if self.small_messages:
+        if self.heals:
             members = frozenset((r.name, r.digest, r.tokens) for r in used)
             self.applied = Applied(pending.round, pending.start, pending.meta.start_fp, members, deferred)
 

@@ -26,43 +26,50 @@ class CatchingUp:
     """The catch-up part of `Replica` (see the module docstring)."""
 
     def catch_up(self) -> None:
-        """If the swarm is ahead (we joined late, restarted, or missed rounds), reach its round: from the rounds'
-        messages while they are still served, else from a peer's state."""
+        """If the swarm is ahead (we joined late, restarted, missed rounds, or voided rounds the others certified:
+        cut off from them), reach its round: from the rounds' messages while they are still served, else from a
+        peer's state. Counted from our certified round: the rounds we voided since left θ where it was."""
         records = self.records()
-        ahead = view.swarm_round(self.donors(records), self.me)
-        behind_from = self.round
-        while self.messages_cheaper(ahead - self.round, records) and not self.stop.is_set():
-            got = self.rebuild_round(self.round, list(self.start))
+        ahead = view.swarm_round(self.donors(records), self.me, certified=True)
+        behind_from = self.certified
+        while self.messages_cheaper(ahead - self.certified, records) and not self.stop.is_set():
+            got = self.rebuild_round(self.certified, list(self.start))
             if got is None:
                 break
             rebuilt, size = got
-            self.apply({s: r.tensors for s, r in rebuilt.items()}, self.round + 1, caught_up=("messages", size))
-        if ahead > self.round and not self.stop.is_set():
+            self.apply({s: r.tensors for s, r in rebuilt.items()}, self.certified + 1, caught_up=("messages", size))
+        if ahead > self.certified and not self.stop.is_set():
             size = self.load_state(min_round=ahead, wait_s=0.0)
             if size is not None:
                 self.record_round(self.round - 1, None, None, Settled(caught_up="state", catch_up_bytes=size))
-        if self.round > behind_from:
+        if self.certified > behind_from:
             self.failed_settles = 0
 
     def obtain(self, flight: InFlight, shards: list[int]) -> tuple[str, int, dict[int, CaughtUp]]:
         """θ(t+1) of `shards` when our group did not give it: (how, bytes, tensors). Waits while another member
         may still complete round t, then rebuilds it from the round's messages ("messages"), or loads a peer's
-        state ("state", all shards at once), or, when nobody completed it, keeps θ(t) ("void"). "failed": others
-        are ahead but served nothing usable (the next round's catch-up tries again)."""
+        state ("state", all shards at once), or, when nobody completed it, keeps θ(t) ("void"). "behind": we hold
+        the θ of an earlier certified round (we voided rounds the others certified, cut off from them), so round
+        t's messages do not apply to it; `catch_up` rebuilds the rounds in between before the next round, each with
+        its upkeep. "failed": others are ahead but served nothing usable (the next round's catch-up tries again)."""
         from hivemind.utils import get_dht_time
 
         t = flight.round
         end = (flight.plan.deadline or get_dht_time()) + flight.plan.grace_s + self.timeouts.round_timeout_s
+        # members that sealed a round we could not certify read the seals we did: they will not certify it either
+        stuck = {pid for future in flight.futures.values() for pid in future.result().sealed_by}
         while not self.stop.is_set():
             records = self.records()
             donors = {pid: r for s in shards for pid, r in view.shard_donors(records, s).items()}  # any shard's holders
-            if any(pid != self.me and r.round > t for pid, r in donors.items()):
+            if any(pid != self.me and r.certified > t for pid, r in donors.items()):
                 got = self.rebuild_round(t, shards) if self.messages_cheaper(1, records) else None
                 if got is not None:
                     return "messages", got[1], got[0]
+                if self.certified < t and self.messages_cheaper(t + 1 - self.certified, records):
+                    return "behind", 0, {}
                 size = self.load_state(min_round=t + 1, wait_s=0.0)
                 return ("state", size, {}) if size is not None else ("failed", 0, {})
-            still = [pid for pid, r in donors.items() if pid != self.me and view.coming(r, t)]
+            still = [pid for pid, r in donors.items() if pid not in stuck | {self.me} and view.coming(r, t)]
             if not still or get_dht_time() > end:
                 break
             self.stop.wait(0.5)
@@ -70,8 +77,13 @@ class CatchingUp:
             return "failed", 0, {}
         logger.warning("round %d: nobody completed it; going on from round %d's weights", t, t)
         fps = self.fingerprints()
+        owed = {
+            s: p.payload
+            for s, p in flight.pendings.items()
+            if s in flight.futures and flight.futures[s].result().deferred
+        }
         for shard in shards:
-            self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)])
+            self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)], owed.get(shard))
         return "void", 0, {s: CaughtUp(self.start[s], 0, self.me, {}) for s in shards}
 
     def messages_cheaper(self, behind: int, records: dict[str, PeerRecord]) -> bool:
@@ -91,12 +103,13 @@ class CatchingUp:
         rebuilt = {}
         for shard in shards:  # a round's messages are served by whoever held the shard: stage peers too
             holders = view.shard_donors(records, shard)
-            order = [pid for _, pid in sorted((r.round, pid) for pid, r in holders.items() if r.round > round_)]
+            order = [pid for _, pid in sorted((r.round, pid) for pid, r in holders.items() if r.certified > round_)]
             order = [pid for pid in order if pid != self.me]
             got = catch_up_shard(
                 self.syncs[shard], round_, self.start[shard], fps[str(shard)], order, self.timeouts.fetch_timeout_s
             )
             if got is None:
                 return None
+            self.syncs[shard].adopt_certificate(round_)
             rebuilt[shard] = got
         return rebuilt, sum(got.bytes_received for got in rebuilt.values())

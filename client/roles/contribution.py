@@ -19,6 +19,7 @@ from hetero_node.client.roles.round_record import InFlight, Trained
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,15 @@ class Contributing:
         encode_s = time.perf_counter() - encode_started
         stages = self.run_cfg.outer.stages
         if view.replica_count(records, stages) <= 1:  # nobody else is alive: a group of one
-            futures = {s: done_future(self.syncs[s].solo(p)) for s, p in pendings.items()}
+            futures = {
+                s: done_future(self.syncs[s].solo(p, self.live_members(records, s))) for s, p in pendings.items()
+            }
         else:
             scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
             futures = {}
             for shard, pending in pendings.items():
-                expected = view.expected_group_size(records, t, shard, stages)
-                self.syncs[shard].begin(pending, expected, scheduled)
+                coming = view.coming_members(records, t, shard, stages)
+                self.syncs[shard].begin(pending, coming, self.live_members(records, shard), scheduled)
             for shard, pending in pendings.items():
                 futures[shard] = self._executor.submit(
                     self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
@@ -74,20 +77,24 @@ class Contributing:
         comm_s = time.perf_counter() - started
         self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=comm_s, encode_s=encode_s)
 
+    def live_members(self, records: dict[str, PeerRecord], shard: int) -> list[str]:
+        """The shard's members that have a record: who still counts towards a quorum after a long wait."""
+        return view.shard_members(records, shard, self.run_cfg.outer.stages)
+
     def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
         """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)
         hold: what breaks a tie inside a group."""
         return lambda: view.vouched_fingerprint(self.records(timeout=1.0), t, str(shard), me="")
 
     def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
-        """Whether the shard's other members finished round t without us: more of them hold a later round than
-        are still in round t (one record claiming a later round is not enough)."""
+        """Whether the shard's other members finished round t without us: more of them certified it than are
+        still in round t (one record claiming a later round is not enough; a round voided is not finished)."""
 
         def check() -> bool:
             records = self.records(timeout=1.0)
             members = [records[pid] for pid in view.shard_members(records, shard, self.run_cfg.outer.stages)]
             others = [r for r in members if r.peer_id != self.me]
-            ahead = sum(r.round > t for r in others)
+            ahead = sum(r.certified > t for r in others)
             return ahead > 0 and ahead > sum(view.in_round(r, t) for r in others)
 
         return check

@@ -45,7 +45,7 @@ class HeldState:
 
     def announce(self, **fields: Any) -> None:
         """Our record's progress part: the round whose θ(t) we hold, its fingerprints, and anything given."""
-        self.membership.update(round=self.round, fingerprints=self.fingerprints(), **fields)
+        self.membership.update(round=self.round, certified=self.certified, fingerprints=self.fingerprints(), **fields)
 
     def publish_state(self) -> None:
         """Serve θ(t) of every held shard (and the method's shared state) to joiners and re-syncing peers."""
@@ -75,7 +75,9 @@ class HeldState:
             self.fixed_table.copy_(next(iter(states.values()))[FIXED])
         self.embed_change = None  # ours was of another round
         self.adopt_start()
-        self.round = new_round
+        self.round = self.certified = new_round  # the state most holders of its round vouch for
+        for sync in self.syncs.values():
+            sync.adopt_certificate(new_round - 1)
         self.publish_state()
         self.announce()
         return size
@@ -87,6 +89,7 @@ class HeldState:
         state = {
             "run_id": self.run_cfg.run_id,
             "round": self.round,
+            "certified": self.certified,
             "slot": self.slot(),
             "model": self.module.state_dict(),
             "trainer": self.trainer.state_dict(),
@@ -122,6 +125,7 @@ class HeldState:
             self.syncs[shard].method.load_state_dict(sync_state)
         self.adopt_start()
         self.round = int(state["round"])
+        self.certified = int(state.get("certified", self.round))
         self.publish_state()  # served at once: a swarm restarted from checkpoints must not wait for a round to end
         outer_state = fingerprint([t for s in sorted(self.syncs) for t in self.syncs[s].method.private_tensors()])
         logger.info("resumed from checkpoint at round %d (error feedback %s)", self.round, outer_state)

@@ -60,9 +60,14 @@ class RoundRecord:
     """It trained too little to contribute (late start, broken pipeline) and received the round's result."""
     caught_up: str = ""
     """How it got θ(t+1) when not from its group: "messages" (the round's manifest and messages), "state" (a
-    peer's whole state), "void" (nobody completed the round: θ(t+1) = θ(t)); "" from its group."""
+    peer's whole state), "void" (nobody completed the round: θ(t+1) = θ(t)), "behind" (it holds an earlier
+    certified round's θ and rebuilds the rounds since from their messages before its next round), "failed" (nothing
+    usable yet); "" from its group."""
     catch_up_bytes: int = 0
     """Bytes downloaded to catch up this round (messages or state)."""
+    uncertified: bool = False
+    """Its round's seals came from no majority of the quorum base (`protocol/quorum.py`): it did not apply its own
+    result (a minority cut off from the others voids the round; a member that read too few seals catches up)."""
     wait_s: float = 0.0
     """Seconds training was blocked waiting for the round's exchange (with --overlap only what did not overlap)."""
     round_s: float = 0.0

@@ -86,6 +86,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self.me = str(runtime.peer_id)
         self.overlap = overlap
         self.round = 0
+        self.certified = 0
+        """The latest round whose θ we hold from a certified round (or from peers that did); see `PeerRecord`."""
         self.clock = RoundClock(
             run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap, accumulate=self.accumulates
         )
@@ -368,7 +370,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
                     outcomes[shard].contributors = len(got.digests)  # what the round aggregated, by its manifest
                 if pending is not None and got.digests.get(self.me) == pending.meta.digest != "":
                     outcomes[shard].contributed = True  # the group used our message though we missed its end
-            if how in ("state", "failed"):  # a whole state replaced ours, or we stay in round t for catch-up
+                    outcomes[shard].deferred = False
+            if how in ("state", "failed", "behind"):  # a state replaced ours, or we stay in round t for catch-up
                 self.drop_unused(flight, outcomes)
                 if how == "state":
                     rebase(self.params, progress)
@@ -377,7 +380,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         else:
             self.failed_settles = 0
         self.drop_unused(flight, outcomes)
-        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress)
+        certified = settled.caught_up != "void"  # a void round keeps θ(t): it moves our round, not our certified one
+        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress, certified=certified)
         settled.phases_s = self.apply_phases_s
         self.record_round(flight.round, flight, eval_loss, settled)
 
@@ -388,6 +392,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         flight: InFlight | None = None,
         caught_up: tuple[str, int] | None = None,
         progress: dict[int, list[Tensor]] | None = None,
+        certified: bool = True,
     ) -> float | None:
         """Make θ(t+1) ours: parameters, subspace upkeep, start point, record, served state; eval and checkpoint
         it; then put back `progress`, the local progress made since the deadline (overlap). Returns the eval loss.
@@ -405,6 +410,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             return None
         self.adopt_start()
         self.round = new_round
+        if certified:
+            self.certified = new_round
         self.publish_state()
         self.announce()
         applied = time.perf_counter()

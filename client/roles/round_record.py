@@ -115,6 +115,7 @@ def round_record(
         sat_out=flight is not None and trained is None,
         caught_up=settled.caught_up,
         catch_up_bytes=settled.catch_up_bytes,
+        uncertified=any(o.uncertified for o in outcomes),
         wait_s=flight.wait_s if flight else 0.0,
         round_s=(flight.plan.length_s or 0.0) if flight else 0.0,
         overhead_s=overhead_s,

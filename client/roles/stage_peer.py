@@ -218,7 +218,7 @@ class StagePeer(Replica):
         told: tuple[int, ...] = ()
         while not self.stop.is_set() and self.membership.slot == (self.vr, self.index):
             records = self.records()
-            if view.swarm_round(self.donors(records), self.me) > t:
+            if view.swarm_round(self.donors(records), self.me, certified=True) > t:
                 logger.warning("round %d: the swarm is in a later round; catching up", t)
                 return False
             holders = view.vr_stages(records, self.vr, self.run_cfg.outer.stages)

@@ -63,10 +63,14 @@ def coming(record: PeerRecord, round_: int) -> bool:
     return in_round(record, round_) or (record.train_round == round_ - 1 and record.round in (round_ - 1, round_))
 
 
+def coming_members(records: Records, round_: int, shard: int, n_stages: int) -> list[str]:
+    """Members of the shard's group the round `round_` waits for."""
+    return [pid for pid in shard_members(records, shard, n_stages) if coming(records[pid], round_)]
+
+
 def expected_group_size(records: Records, round_: int, shard: int, n_stages: int) -> int:
     """Members of the shard's group the group of `round_` waits for (at least 2: a group of one is a solo step)."""
-    members = shard_members(records, shard, n_stages)
-    return max(2, sum(1 for pid in members if coming(records[pid], round_)))
+    return max(2, len(coming_members(records, round_, shard, n_stages)))
 
 
 def replica_count(records: Records, n_stages: int) -> int:
@@ -79,13 +83,15 @@ def shard_donors(records: Records, shard: int) -> Records:
     return {pid: r for pid, r in records.items() if r.role == ROLE_FULL or (r.role == ROLE_STAGE and r.stage == shard)}
 
 
-def swarm_round(records: Records, me: str) -> int:
-    """The round the others hold, as most of them tell it: the upper median of their rounds (0 when alone).
+def swarm_round(records: Records, me: str, certified: bool = False) -> int:
+    """The round the others hold, as most of them tell it: the upper median of their rounds (0 when alone); with
+    `certified`, of the rounds whose θ they hold from a certified round (`protocol/quorum.py`): what "the swarm is
+    ahead" means, since a round a minority or a lone peer voided or applied alone is no progress.
 
     Not the maximum: one record claiming a far-ahead round must not send everyone to fetch it (a liar, or a clock
     gone wrong); one honest peer ahead of one behind still counts (the upper median of two is the larger).
     """
-    rounds = sorted(r.round for pid, r in records.items() if pid != me)
+    rounds = sorted(r.certified if certified else r.round for pid, r in records.items() if pid != me)
     return rounds[len(rounds) // 2] if rounds else 0
 
 

@@ -1,0 +1,53 @@
+"""When a round is final: its seals come from more than half of the previous certificate's members.
+
+`protocol/roster.py` makes every member that reads the same seals compute the same contributor set, and
+`client/outer/heal.py` repairs a round whose members read different seals. Neither stops a *partition*: two halves of
+a swarm that cannot reach each other each read only their own seals, and each would apply its own round; the swarm
+forks into two models that nothing joins again. The rule here (torchft's split-brain rule, without its lighthouse):
+round t of a shard is **certified** when the members that sealed it include more than half of the members of the
+shard's previous certificate (the quorum base). Two disjoint sides cannot both hold more than half of one base, so
+at most one side of any partition makes progress; the other voids the round and keeps θ(t), and when the link heals
+its members start from a θ the majority can rebuild forward from its messages.
+
+The members of the new certificate are all of its sealers: a joiner is admitted by sealing, though it does not count
+towards the quorum of the round it joins. A member of the base that crashed still counts against the quorum, since
+a crash and a partition look the same from inside; after `patience` rounds without a certificate, base members whose
+peer records are gone are dropped from the base, so survivors of a crash (or of peers that left) go on. The price:
+a partition longer than `patience` rounds lets both sides go on (each sees the other's records expire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """Round `round` of a shard as this member certified it: who sealed it, from which θ(t)."""
+
+    round: int
+    members: frozenset[str]
+    """Its sealers: the next round's quorum base."""
+    start_fp: str
+
+
+def quorum_base(
+    previous: Certificate | None, since: int, patience: int, live: Collection[str], expected: Collection[str]
+) -> frozenset[str]:
+    """Whose seals round t needs a majority of. `previous`: the shard's last certificate this member holds (None: it
+    has none yet, a fresh run or a joiner: the members the records show coming, `expected`). `since`: rounds
+    between that certificate and round t; once they reach `patience`, base members without a live record (`live`)
+    no longer count."""
+    if previous is None:
+        return frozenset(expected)
+    if since < patience:
+        return previous.members
+    return previous.members & frozenset(live) or previous.members
+
+
+def certifies(sealers: Collection[str], base: frozenset[str]) -> bool:
+    """More than half of `base` sealed (an empty base: anyone who sealed is a quorum)."""
+    if not base:
+        return bool(sealers)
+    return 2 * len(base & frozenset(sealers)) > len(base)

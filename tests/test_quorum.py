@@ -1,0 +1,106 @@
+"""A round counts only when more than half of the previous certificate's members sealed it: the rule as properties
+(no two sides of a split both certify; joiners never make a quorum; the base shrinks only after `patience` rounds,
+and only by members whose records are gone), then over real peers: cut off from half the swarm, two members void
+the round instead of applying it, and the whole swarm certifies the next one from the same θ."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from factories import run_config
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetero_node.bench.poison import swarm
+from hetero_node.client.config import SyncTimeouts
+from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
+from hetero_node.models.shards import fingerprint
+from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
+
+NAMES = st.text(alphabet="abcdefgh", min_size=1, max_size=2)
+
+
+@given(base=st.frozensets(NAMES, min_size=1, max_size=9), joiners=st.frozensets(NAMES, max_size=4), data=st.data())
+def test_two_sides_of_a_split_never_both_certify(base: frozenset[str], joiners: frozenset[str], data) -> None:
+    everyone = sorted(base | joiners)
+    side = data.draw(st.frozensets(st.sampled_from(everyone)))
+    other = frozenset(everyone) - side
+    assert not (certifies(side, base) and certifies(other, base))
+    assert certifies(base, base)  # everyone sealing is always a quorum
+    assert not certifies(joiners - base, base)  # newcomers alone never are
+
+
+@given(
+    members=st.frozensets(NAMES, min_size=1, max_size=9),
+    live=st.frozensets(NAMES, max_size=9),
+    since=st.integers(0, 12),
+    patience=st.integers(1, 6),
+)
+def test_the_base_shrinks_only_after_patience_and_only_by_the_gone(
+    members: frozenset[str], live: frozenset[str], since: int, patience: int
+) -> None:
+    previous = Certificate(3, members, "ab")
+    base = quorum_base(previous, since, patience, live, expected=["zz"])
+    if since < patience:
+        assert base == members
+    else:
+        assert base == (members & live or members)  # never empty: someone must still seal
+    assert base <= members
+    assert quorum_base(None, since, patience, live, expected=["x", "y"]) == {"x", "y"}  # no certificate yet
+
+
+SHAPES = [(32, 16), (50,)]
+
+
+def contribute(syncs: list[ShardSync], round_: int, start: list[torch.Tensor], seed: int) -> list[ShardOutcome]:
+    """One round among `syncs` only (the others are cut off), everyone from `start`."""
+    from hivemind.utils import get_dht_time
+
+    names = [s.me for s in syncs]
+    pendings = []
+    for i, sync in enumerate(syncs):
+        gen = torch.Generator().manual_seed(seed + i)
+        delta = [1e-2 * torch.randn(s, generator=gen) for s in SHAPES]
+        pending = sync.contribution(round_, start, fingerprint(start), delta, 64)
+        sync.begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 15)
+        pendings.append(pending)
+    with ThreadPoolExecutor(len(syncs)) as pool:
+        jobs = [pool.submit(s.finish, p, lambda: False, lambda: None) for s, p in zip(syncs, pendings, strict=True)]
+        outcomes = [job.result() for job in jobs]
+    for sync, pending, outcome in zip(syncs, pendings, outcomes, strict=True):
+        if not outcome.contributed:
+            sync.drop(pending)
+    return outcomes
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(180)
+def test_a_half_cut_off_voids_its_round_and_the_whole_swarm_certifies_the_next() -> None:
+    with swarm(4) as runtimes:
+        stop = threading.Event()
+        syncs = [ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(matchmaking_s=2.0), stop) for r in runtimes]
+        start = [torch.full(s, 0.25) for s in SHAPES]
+        round0 = contribute(syncs, 0, start, seed=0)
+        assert all(o.new_tensors is not None and not o.uncertified and o.contributors == 4 for o in round0)
+        assert all(s.certificate is not None and len(s.certificate.members) == 4 for s in syncs)
+        after0 = round0[0].new_tensors
+        assert after0 is not None
+
+        # round 1: two of the four see only each other (2 of a base of 4 is no majority): neither applies it
+        cut_off = contribute(syncs[:2], 1, after0, seed=10)
+        assert [(o.new_tensors, o.uncertified, o.group_size) for o in cut_off] == [(None, True, 2), (None, True, 2)]
+        assert all(s.certificate is not None and s.certificate.round == 0 for s in syncs[:2])
+
+        # round 2: everyone, from the θ round 1 left unchanged, certifies and agrees
+        round2 = contribute(syncs, 2, after0, seed=20)
+        results = [o.new_tensors for o in round2]
+        assert all(r is not None and not o.uncertified for r, o in zip(results, round2, strict=True))
+        assert len({fingerprint(r) for r in results}) == 1  # type: ignore[arg-type]
+
+        # round 3: three of the four (a majority of round 2's) certify without the fourth
+        majority = contribute(syncs[:3], 3, results[0], seed=30)  # type: ignore[arg-type]
+        assert all(o.new_tensors is not None and o.contributors == 3 for o in majority)
+        assert syncs[0].certificate is not None and syncs[0].certificate.members == {s.me for s in syncs[:3]}
