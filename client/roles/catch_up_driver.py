@@ -56,8 +56,9 @@ class CatchingUp:
 
         t = flight.round
         end = (flight.plan.deadline or get_dht_time()) + flight.plan.grace_s + self.timeouts.round_timeout_s
+        outcomes = {s: future.result() for s, future in flight.futures.items()}
         # members that sealed a round we could not certify read the seals we did: they will not certify it either
-        stuck = {pid for future in flight.futures.values() for pid in future.result().sealed_by}
+        stuck = {pid for outcome in outcomes.values() for pid in outcome.sealed_by}
         while not self.stop.is_set():
             records = self.records()
             donors = {pid: r for s in shards for pid, r in view.shard_donors(records, s).items()}  # any shard's holders
@@ -77,11 +78,7 @@ class CatchingUp:
             return "failed", 0, {}
         logger.warning("round %d: nobody completed it; going on from round %d's weights", t, t)
         fps = self.fingerprints()
-        owed = {
-            s: p.payload
-            for s, p in flight.pendings.items()
-            if s in flight.futures and flight.futures[s].result().deferred
-        }
+        owed = {s: p.payload for s, p in flight.pendings.items() if s in outcomes and outcomes[s].deferred}
         for shard in shards:
             self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)], owed.get(shard))
         return "void", 0, {s: CaughtUp(self.start[s], 0, self.me, {}) for s in shards}
