@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,37 +63,98 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def cpu_snapshot(tree: Any) -> Any:
+def cpu_snapshot(tree: Any, copy_device_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
     """`tree` with every tensor copied to the CPU: what a background writer may serialise while training goes on
-    writing into the live tensors."""
+    writing into the live tensors. `copy_device_tensor` copies the tensors that live on a CUDA device instead."""
     if isinstance(tree, torch.Tensor):
+        if copy_device_tensor is not None and tree.device.type == "cuda":
+            return copy_device_tensor(tree)
         return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):
-        return {k: cpu_snapshot(v) for k, v in tree.items()}
+        return {k: cpu_snapshot(v, copy_device_tensor) for k, v in tree.items()}
     if isinstance(tree, list | tuple):
-        return [cpu_snapshot(v) for v in tree]
+        return [cpu_snapshot(v, copy_device_tensor) for v in tree]
     return tree
+
+
+def _has_cuda_tensor(tree: Any) -> bool:
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "cuda"
+    if isinstance(tree, dict):
+        return any(_has_cuda_tensor(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return any(_has_cuda_tensor(v) for v in tree)
+    return False
+
+
+class PinnedStaging:
+    """Page-locked host buffers, reused every round, for a snapshot of the tensors on a CUDA device. Copying a GPU
+    replica's state (3.5 GB for 178m: weights, AdamW moments, θ(t), error feedback) into pageable memory blocks the
+    training thread for the whole transfer, 1.7-2 s a round on an H200; into pinned buffers the copies are only
+    queued on the device's stream, behind the work that wrote the values and ahead of the next step's writes."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._used = 0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def snapshot(self, tree: Any) -> tuple[Any, list[torch.cuda.Event]]:
+        """`tree` copied into the buffers, and one event per device that completes once its copies are done."""
+        self._used, self._streams = 0, {}
+        snapshot = cpu_snapshot(tree, self._copy)
+        del self._buffers[self._used :]  # a smaller state than last round's: keep no stale buffers
+        events = []
+        for stream in self._streams.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        return snapshot, events
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        index, self._used = self._used, self._used + 1
+        if index < len(self._buffers) and (
+            self._buffers[index].shape == tensor.shape and self._buffers[index].dtype == tensor.dtype
+        ):
+            buffer = self._buffers[index]
+        else:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._buffers[index : index + 1] = [buffer]
+        buffer.copy_(tensor.detach(), non_blocking=True)
+        self._streams.setdefault(tensor.device, torch.cuda.current_stream(tensor.device))
+        return buffer
 
 
 class CheckpointWriter:
     """Writes a replica's checkpoints in a background thread: serialising, hashing and fsyncing the model and its
     optimizer state (gigabytes for a 178M model) would otherwise stop training every round. `save` takes a CPU
-    snapshot at once; a newer snapshot replaces one not yet written (only the latest matters); `close` writes the
-    last one before the node exits. A write interrupted by a kill leaves the previous checkpoint intact
-    (`save_checkpoint` writes then renames)."""
+    snapshot at once (of CUDA tensors: copies queued into `PinnedStaging`, unless the writer is still writing the
+    previous round from it; then a blocking copy); a newer snapshot replaces one not yet written (only the latest
+    matters); `close` writes the last one before the node exits. A write interrupted by a kill leaves the previous
+    checkpoint intact (`save_checkpoint` writes then renames)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._pending: dict[str, Any] | None = None
-        self._writing = self._closed = False
+        self._pending: tuple[dict[str, Any], list[torch.cuda.Event], bool] | None = None
+        """(snapshot, the events its copies complete at, whether it lives in the staging buffers)"""
+        self._writing = self._writing_staged = self._closed = False
+        self._staging: PinnedStaging | None = PinnedStaging()
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._write_loop, name="checkpoint", daemon=True)
         self._thread.start()
 
     def save(self, state: dict[str, Any]) -> None:
-        snapshot = cpu_snapshot(state)
+        with self._changed:  # the writer must not pick up the staging buffers while they are being refilled
+            staged = self._staging is not None and not self._writing_staged and _has_cuda_tensor(state)
+            if staged:
+                try:
+                    snapshot, events = self._staging.snapshot(state)
+                except RuntimeError as e:  # no page-locked memory to be had: blocking copies, as on a CPU
+                    logger.warning("checkpoints copy the state without pinned buffers (%s): slower rounds", e)
+                    self._staging, staged = None, False
+        if not staged:
+            snapshot, events = cpu_snapshot(state), []
         with self._changed:
-            self._pending = snapshot
+            self._pending = (snapshot, events, staged)
             self._changed.notify_all()
 
     def flush(self) -> None:
@@ -113,14 +175,17 @@ class CheckpointWriter:
                 self._changed.wait_for(lambda: self._pending is not None or self._closed)
                 if self._pending is None:
                     return
-                state, self._pending, self._writing = self._pending, None, True
+                (state, events, staged), self._pending = self._pending, None
+                self._writing, self._writing_staged = True, staged
             try:
+                for event in events:
+                    event.synchronize()
                 save_checkpoint(self.directory, state)
             except CheckpointError as e:  # a full disk must not end training; the previous checkpoint stays
                 logger.error("%s; training goes on without this round's checkpoint", e)
             finally:
                 with self._changed:
-                    self._writing = False
+                    self._writing = self._writing_staged = False
                     self._changed.notify_all()
 
 
