@@ -65,9 +65,11 @@ gpu-wheels: venv data
 		.cache/hetero-node/  # the token cache alone: the archive is read only to build it
 	du -ch .whl/*.whl .cache/hetero-node | sort -h
 
-# On one GPU: a CUDA member's outer step against a CPU member's, bit for bit (tests/test_outer_devices.py), tokens/s
-# and MFU per preset (compile on and off), and the demo swarm on 178m with and without --overlap (agreement,
-# contributions, utilisation); figures in bench/results/gpu-check. About 7 min on an H200 (its parts ran 2026-11-26).
+# On one GPU: a CUDA member's outer step against a CPU member's, bit for bit (tests/test_outer_devices.py), the staged
+# checkpoint (tests/test_checkpoint_devices.py), tokens/s and MFU per preset (compile on and off), and the demo swarm on
+# 178m with and without --overlap (agreement, contributions, utilisation; H = 30, the run's default); figures in
+# bench/results/gpu-check. About 9 min on an H200 (its parts ran 2026-11-26; the swarm part alone, --presets ''
+# --rounds 3, 4.5 min).
 # Where hivemind is missing, installs .whl/ into /tmp/site first (no network); uses .cache/hetero-node if present.
 GPU_CHECK_ARGS ?=
 gpu-check:
@@ -75,7 +77,7 @@ gpu-check:
 		python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1; site=/tmp/site; fi; \
 	if [ -d .cache/hetero-node ]; then export HETERO_NODE_CACHE="$$PWD/.cache/hetero-node"; fi; \
 	export PYTHONPATH="$$site$${PYTHONPATH:+:$$PYTHONPATH}" PATH="$$site/bin:$$PATH"; \
-	python3 -m pytest -q -p no:cacheprovider tests/test_outer_devices.py && \
+	python3 -m pytest -q -p no:cacheprovider tests/test_outer_devices.py tests/test_checkpoint_devices.py && \
 	python3 -m hetero_node.bench.gpu_check --out bench/results/gpu-check $(GPU_CHECK_ARGS)
 
 # The benchmark scenarios (need root: network namespaces, CPU cgroups). hetero: all five methods on 2 datacenter and

@@ -36,6 +36,7 @@ from hetero_node.client.cli.demo import DemoConfig, compute_utilisation, run_dem
 from hetero_node.client.cli.options import expand_dataclass_options
 from hetero_node.models.config import ModelConfig, get_preset
 from hetero_node.protocol.errors import ConfigError, require_positive
+from hetero_node.protocol.run_config import OuterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH
 
 @dataclass(frozen=True)
 class GpuCheckConfig:
-    """What to measure; the defaults are the check `make gpu-check` runs (under 8 min on an H100)."""
+    """What to measure; the defaults are the check `make gpu-check` runs (about 9 min on an H200)."""
 
     device: str = field(default="cuda", metadata={"help": "cuda, cuda:N, or cpu (a smoke test of the code paths)."})
     presets: str = field(default="tiny,small,178m,1b", metadata={"help": "Presets to time, comma-separated."})
@@ -72,7 +73,10 @@ class GpuCheckConfig:
     )
     swarm_preset: str = field(default="178m", metadata={"help": "The swarm's model preset."})
     rounds: int = field(default=4, metadata={"help": "The swarm's outer rounds."})
-    inner_steps: int = field(default=10, metadata={"help": "The swarm's H."})
+    inner_steps: int = field(
+        default=OuterConfig.inner_steps, metadata={"help": "The swarm's H (the run's default: issue 28's targets are "
+                                                   "at default options)."}
+    )  # fmt: skip
     swarm_batch_size: int = field(default=8, metadata={"help": "The swarm's sequences per inner step."})
     swarm_seq_len: int = field(default=1024, metadata={"help": "The swarm's tokens per sequence."})
     out: Path = field(default=Path("bench/results/gpu-check"), metadata={"help": "Writes gpu_check.json here."})

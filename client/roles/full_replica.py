@@ -112,7 +112,7 @@ class FullReplica(Replica):
             return None
         t, H, a = plan.round, self.run_cfg.outer.inner_steps, plan.accumulation
         losses: list[Tensor] = []
-        compute_s, started, last_check = 0.0, time.perf_counter(), [time.monotonic()]
+        compute_s, between_s, started, last_check = 0.0, 0.0, time.perf_counter(), [time.monotonic()]
         # a step still running on the device ends about a step from now: the next one would end a step later
         while plan.keep_training(
             len(losses), get_dht_time() + self.trainer.in_flight * a * self.clock.step_s, self.clock.step_s
@@ -132,6 +132,7 @@ class FullReplica(Replica):
             if self.clock.step_s <= 0:  # the first step of the run: a first estimate for the deadline check
                 self.clock.record_speed(a, step_s)
             plan = self.between_steps(plan, last_check)  # may settle an overlapped round: not compute time
+            between_s += time.perf_counter() - step_started - step_s
         step_started = time.perf_counter()
         self.trainer.synchronize()  # the last step's device time is compute time too
         compute_s += time.perf_counter() - step_started
@@ -142,7 +143,7 @@ class FullReplica(Replica):
             loss=loss if loss is not None and math.isfinite(loss) else None,
             tokens_per_s=round(tokens / max(compute_s, 1e-9), 1),
         )
-        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a)
+        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a, between_s)
 
     def upkeep(self, new_round: int) -> bool:
         """After our own outer step: move the embedding's drift into T_fixed, as every peer of the run does."""

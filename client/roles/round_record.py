@@ -30,6 +30,9 @@ class Trained:
     """Wall time of the training loop, what happens between steps included: the round length a step costs."""
     accumulation: int = 1
     """Batches each inner step accumulated."""
+    between_steps_s: float = 0.0
+    """Time the loop spent between steps (settling an overlapped round: apply, eval, checkpoint; refreshing the
+    deadline): paid inside the window, yet a cost of the round outside training (`Replica.measure_overhead`)."""
 
 
 @dataclass
