@@ -104,3 +104,10 @@ def test_a_half_cut_off_voids_its_round_and_the_whole_swarm_certifies_the_next()
         majority = contribute(syncs[:3], 3, results[0], seed=30)  # type: ignore[arg-type]
         assert all(o.new_tensors is not None and o.contributors == 3 for o in majority)
         assert syncs[0].certificate is not None and syncs[0].certificate.members == {s.me for s in syncs[:3]}
+
+        # the fourth alone in round 4 (1 of its last certificate's 4): it applies nothing and keeps its Δ owed
+        lonely, theta = syncs[3], results[0]
+        assert theta is not None
+        pending = lonely.contribution(4, theta, fingerprint(theta), [1e-2 * torch.ones(s) for s in SHAPES], 64)
+        alone = lonely.solo(pending, live=[lonely.me])
+        assert (alone.new_tensors, alone.uncertified, alone.deferred) == (None, True, True)

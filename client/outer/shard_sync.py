@@ -474,8 +474,8 @@ class ShardSync:
         the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
         joiner) can follow. Only if we alone are a quorum: a peer cut off from the others is not alone."""
         pending.base = self.quorum(pending.round, [], live)
-        if not self._certify(pending, frozenset({self.me})):
-            return ShardOutcome(new_tensors=None, group_size=1, uncertified=True)
+        if not self._certify(pending, frozenset({self.me})):  # cut off: our Δ stays owed, as in `finish`
+            return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
         if pending.payload is None:
             return ShardOutcome([s.clone() for s in pending.start], 1, 0)
         mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)
