@@ -5,7 +5,7 @@ from __future__ import annotations
 from factories import peer_id, peer_record
 
 from hetero_node.client.swarm.view import (
-    expected_group_size,
+    coming_members,
     replica_count,
     shard_donors,
     shard_members,
@@ -15,6 +15,7 @@ from hetero_node.client.swarm.view import (
     vouched_fingerprint,
     vr_stages,
 )
+from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE
 
 
@@ -69,22 +70,27 @@ def test_slots_virtual_replicas_and_group_membership() -> None:
     assert names(shard_members(records, 1, 2)) == ["a9", "e1", "f1", "f2"]
 
 
-def test_expected_group_counts_the_members_training_the_round() -> None:
+def test_the_members_a_round_waits_for_are_those_training_it() -> None:
     records = RECORDS
-    assert expected_group_size(records, 3, 0, 2) == 4  # f1, c0, e0, and f2 still finishing round 2 (not d0)
-    assert expected_group_size(records, 3, 1, 2) == 3  # f1, and f2 and a9 finishing round 2 (e1 is in 4)
-    assert expected_group_size(records, 2, 1, 2) == 2  # f2, a9 (b0 lost its slot)
-    assert expected_group_size(records, 4, 1, 2) == 2  # e1 alone, but never below 2
-    assert expected_group_size(records, 9, 0, 2) == 2
-    assert expected_group_size(records, 5, 1, 2) == 2  # e1 finishing round 4 (a9 two rounds behind), at least 2
+
+    def coming(recs: dict[str, PeerRecord], round_: int, shard: int) -> object:
+        return names(set(coming_members(recs, round_, shard, 2)))
+
+    assert coming(records, 3, 0) == {"f1", "c0", "e0", "f2"}  # f2 still finishing round 2 (not d0)
+    assert coming(records, 3, 1) == {"f1", "f2", "a9"}  # f2 and a9 finishing round 2 (e1 is in 4)
+    assert coming(records, 2, 1) == {"f2", "a9"}  # b0 lost its slot
+    assert coming(records, 4, 1) == {"e1"}
+    assert coming(records, 9, 0) == set()
+    assert coming(records, 5, 1) == {"e1"}  # e1 finishing round 4 (a9 two rounds behind)
     bigger = {**records, **dict([full("f3", 2, 2), full("g2", 2, 2)])}
-    assert expected_group_size(bigger, 2, 1, 2) == 4  # f2, f3, g2, a9
+    assert coming(bigger, 2, 1) == {"f2", "f3", "g2", "a9"}
     just_done = {**records, **dict([full("f3", 3, train_round=2)])}  # applied θ(3), not yet planning round 3
-    assert expected_group_size(just_done, 3, 0, 2) == 5
+    assert coming(just_done, 3, 0) == {"f1", "c0", "e0", "f2", "f3"}
     receiving = {**records, **dict([full("f3", 3, train_round=-1)])}  # only receives round 3: not waited for
-    assert expected_group_size(receiving, 3, 0, 2) == 4
+    assert coming(receiving, 3, 0) == {"f1", "c0", "e0", "f2"}
     overlapped = {**records, **dict([full("f3", 2, train_round=3)])}  # its round-2 exchange is in flight
-    assert expected_group_size(overlapped, 3, 0, 2) == 5  # f3 holds θ(2) and already trains round 3
+    assert coming(overlapped, 3, 0) == {"f1", "c0", "e0", "f2", "f3"}  # f3 holds θ(2) and already trains round 3
+    assert coming({}, 0, 0) == set()
 
 
 def test_donors_and_the_swarm_round() -> None:
@@ -93,7 +99,7 @@ def test_donors_and_the_swarm_round() -> None:
     assert names(set(shard_donors(records, 1))) == {"f1", "f2", "b0", "a9", "e1"}
     assert shard_donors(records, 1)[peer_id("a9")] is records[peer_id("a9")]
     assert names(set(shard_donors(records, 2))) == {"f1", "f2", "x0"}
-    assert virtual_replicas({}, 2) == {} and replica_count({}, 2) == 0 and expected_group_size({}, 0, 0, 2) == 2
+    assert virtual_replicas({}, 2) == {} and replica_count({}, 2) == 0
     ahead = dict([full("f1", 5), full("f2", 5), full("f3", 4)])
     assert swarm_round(ahead, peer_id("f3")) == 5  # both others hold round 5
     liar = dict([full("f1", 5), full("f2", 5), full("f3", 10**9)])

@@ -68,11 +68,6 @@ def coming_members(records: Records, round_: int, shard: int, n_stages: int) -> 
     return [pid for pid in shard_members(records, shard, n_stages) if coming(records[pid], round_)]
 
 
-def expected_group_size(records: Records, round_: int, shard: int, n_stages: int) -> int:
-    """Members of the shard's group the group of `round_` waits for (at least 2: a group of one is a solo step)."""
-    return max(2, len(coming_members(records, round_, shard, n_stages)))
-
-
 def replica_count(records: Records, n_stages: int) -> int:
     """Full replicas plus complete virtual replicas."""
     return len(full_replicas(records)) + len(virtual_replicas(records, n_stages))
