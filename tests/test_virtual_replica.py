@@ -7,6 +7,8 @@ hivemind P2P and average their shard with the full replica, exactly as a volunte
 from __future__ import annotations
 
 import math
+import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -111,6 +113,33 @@ def test_a_stopped_stage_resumes_its_shard_and_error_feedback_from_its_checkpoin
     assert f"resumed from checkpoint at round {saved['round']} (error feedback {saved_ef})" in log
     together = resumed_rounds(tmp_path, before)
     assert together, f"the resumed stage did not contribute again:\n{round_table(tmp_path)}"
+    full, s0, s1 = (rounds_of(tmp_path, i) for i in (FULL, STAGE0, STAGE1))
+    for t in together:
+        assert_shards_agree(full[t], s0[t], s1[t], t)
+
+
+def test_a_full_replica_where_only_the_virtual_replica_went_on_loads_each_shard_from_its_stage(tmp_path: Path) -> None:
+    """The restart deadlock of issue 31: a full replica coming back to a swarm whose only other holders are stage
+    peers once waited forever for a full replica to serve it the whole model. Each shard now comes from its holders."""
+    with LocalSwarm(tmp_path) as swarm:
+        peers = start_swarm(swarm, tmp_path, rounds=200, inner_steps=6)
+        wait_for_round(tmp_path, FULL, 1)
+        assert swarm.stop("r0", timeout=30) == 0
+        shutil.rmtree(tmp_path / f"r{FULL}.ckpt")  # it comes back with nothing: the stages hold the current round
+        before = set(rounds_of(tmp_path, FULL))
+        wait_for_round(tmp_path, STAGE1, max(before) + 3)
+        swarm.start("r0", join_args(peers, FULL, tmp_path, min_peers=2))
+        deadline = time.monotonic() + 240
+        while len(resumed_rounds(tmp_path, before)) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        for name in ("r0", "s0", "s1"):
+            assert swarm.stop(name, timeout=30) == 0, f"{name} did not exit cleanly on SIGTERM"
+    log = (tmp_path / "r0.log").read_text()
+    donors = [re.findall(rf"loaded the swarm's state of shard {shard}, round \d+, from (\w+)", log) for shard in (0, 1)]
+    assert all(donors), f"it did not load both shards:\n{log[-3000:]}"
+    assert donors[0][0] != donors[1][0], "each shard from its own stage peer (no full replica was there to serve both)"
+    together = resumed_rounds(tmp_path, before)
+    assert len(together) >= 2, f"the full replica did not contribute again:\n{round_table(tmp_path)}"
     full, s0, s1 = (rounds_of(tmp_path, i) for i in (FULL, STAGE0, STAGE1))
     for t in together:
         assert_shards_agree(full[t], s0[t], s1[t], t)

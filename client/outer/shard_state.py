@@ -30,6 +30,7 @@ from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_FULL
 from hetero_node.protocol.state_wire import (
     EMBED,
     EMBED_CHANGE,
@@ -120,70 +121,76 @@ class ShardStates:
         wait_s: float,
         stop: threading.Event,
     ) -> tuple[int, dict[int, dict[str, Any]], int] | None:
-        """(round, {shard: state}, bytes downloaded) from the newest donor at round ≥ min_round whose fingerprints
-        it matches, where those fingerprints are the ones most peers at that round advertise and that round is not
-        above what most donors hold (`view.swarm_round`): one peer claiming a later round or other weights is not
-        followed.
+        """(round, {shard: state}, bytes downloaded): every shard this peer holds, of one round ≥ min_round, the
+        newest such round whose states we get. Each shard comes from any peer holding it at that round (a full
+        replica, or a stage peer of that stage: a full replica restarting where only virtual replicas hold the
+        current round loads it from them) whose fingerprint for it is the one most of the shard's holders at that
+        round advertise, and no round above what most donors hold (`view.swarm_round`) is followed: one peer
+        claiming a later round or other weights is not.
 
-        `donor_records` lists who may serve (the caller's choice: full replicas, or peers holding the shard).
-        A donor that fails for a round is not asked again for it; None when no donor succeeded within wait_s.
+        `donor_records` lists who may serve (the caller's choice). A donor that fails for a shard and round is not
+        asked again for it; None when no round could be loaded whole within wait_s.
         """
         deadline = time.monotonic() + wait_s
-        failed: set[tuple[str, int]] = set()
+        failed: set[tuple[str, int, int]] = set()
         me = str(self.runtime.peer_id)
         while True:
             records = donor_records()
             ceiling = view.swarm_round(records, me)
-            donors = sorted(
-                (
-                    (rec.round, pid)
-                    for pid, rec in records.items()
-                    if pid != me and min_round <= rec.round <= ceiling and (pid, rec.round) not in failed
-                    and self._vouched(records, rec, me)
-                ),
-                reverse=True,
-            )  # fmt: skip
-            for donor_round, donor in donors:
-                downloaded = self._download(donor, records[donor], donor_round)
-                if downloaded is not None:
-                    logger.warning("loaded the swarm's state of round %d from %s", donor_round, donor)
-                    return donor_round, *downloaded
-                failed.add((donor, donor_round))
+            rounds = sorted({r.round for pid, r in records.items() if pid != me and min_round <= r.round <= ceiling})
+            for round_ in reversed(rounds):
+                loaded = self._load_round(records, round_, failed, me)
+                if loaded is not None:
+                    return round_, *loaded
             if time.monotonic() >= deadline or stop.is_set():
                 return None
             time.sleep(0.5)
 
-    def _vouched(self, records: dict[str, PeerRecord], record: PeerRecord, me: str) -> bool:
-        """Whether every shard fingerprint the donor advertises is the one most peers at its round advertise."""
-        return all(
-            view.vouched_fingerprint(records, record.round, str(shard), me) == record.fingerprints.get(str(shard))
-            for shard in self.shapes
-        )
-
-    def _download(
-        self, donor: str, record: PeerRecord, donor_round: int
+    def _load_round(
+        self, records: dict[str, PeerRecord], round_: int, failed: set[tuple[str, int, int]], me: str
     ) -> tuple[dict[int, dict[str, Any]], int] | None:
+        """Every held shard's state of `round_` from vouched holders (full replicas first: one donor for all), or
+        None as soon as a shard has none left that serves it."""
+        states, size = {}, 0
+        for shard in self.shapes:
+            holders = view.shard_donors(records, shard)
+            donors = sorted(
+                (r.role != ROLE_FULL, pid)
+                for pid, r in holders.items()
+                if pid != me and r.round == round_ and (pid, round_, shard) not in failed
+                and view.vouched_fingerprint(holders, round_, str(shard), me) == r.fingerprints.get(str(shard))
+            )  # fmt: skip
+            for _, donor in donors:
+                downloaded = self._download(donor, records[donor], round_, shard)
+                if downloaded is not None:
+                    states[shard] = downloaded[0]
+                    size += downloaded[1]
+                    logger.warning("loaded the swarm's state of shard %d, round %d, from %s", shard, round_, donor)
+                    break
+                failed.add((donor, round_, shard))
+            else:
+                return None
+        return states, size
+
+    def _download(self, donor: str, record: PeerRecord, round_: int, shard: int) -> tuple[dict[str, Any], int] | None:
+        """`donor`'s state of `shard` at `round_`, checked against the fingerprint it advertises; None on any
+        failure."""
         from hivemind.p2p import PeerID
 
-        peer = PeerID.from_base58(donor)
-        states, size = {}, 0
+        shapes = self.shapes[shard]
+        limit = max_state_bytes([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
+        timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
         try:
-            for shard, shapes in self.shapes.items():
-                limit = max_state_bytes([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
-                timeout = transfer_timeout(limit, self.download_mbps, self.fetch_timeout_s)
-                round_, data = self.runtime.fetch(peer, STATE, shard, donor_round, limit, timeout)
-                size += len(data)
-                if round_ != donor_round:
-                    raise PayloadError(f"state of shard {shard} is of round {round_}, not {donor_round}")
-                state = parse_state(data, shapes, self.fixed_shape)
-                tensors, fixed = state["tensors"], state.get(FIXED)
-                if state_fingerprint(tensors, fixed) != record.fingerprints.get(str(shard)):
-                    raise PayloadError(f"state of shard {shard} does not match the fingerprint {donor} advertised")
-                states[shard] = state
+            served, data = self.runtime.fetch(PeerID.from_base58(donor), STATE, shard, round_, limit, timeout)
+            if served != round_:
+                raise PayloadError(f"state of shard {shard} is of round {served}, not {round_}")
+            state = parse_state(data, shapes, self.fixed_shape)
+            if state_fingerprint(state["tensors"], state.get(FIXED)) != record.fingerprints.get(str(shard)):
+                raise PayloadError(f"state of shard {shard} does not match the fingerprint {donor} advertised")
         except Exception as e:  # a bad donor is skipped, never trusted
-            logger.warning("could not load state from %s: %r", donor, e)
+            logger.warning("could not load shard %d's state from %s: %r", shard, donor, e)
             return None
-        return states, size
+        return state, len(data)
 
     def fetch_table(self, donor: str, record: PeerRecord, round_: int, kind: str = FIXED) -> Tensor | None:
         """T_fixed (`kind` FIXED) or E_S (EMBED) of `round_` from `donor`, checked against the fingerprint it

@@ -30,7 +30,10 @@ class CatchingUp:
         cut off from them), reach its round: from the rounds' messages while they are still served, else from a
         peer's state. Counted from our certified round: the rounds we voided since left θ where it was."""
         records = self.records()
-        ahead = view.swarm_round(self.donors(records), self.me, certified=True)
+        ahead = max(  # a full replica where only virtual replicas went on (a VR-only swarm) follows them too
+            view.swarm_round(self.donors(records), self.me, certified=True),
+            view.swarm_round(self.holders(records), self.me, certified=True),
+        )
         behind_from = self.certified
         while self.messages_cheaper(ahead - self.certified, records) and not self.stop.is_set():
             got = self.rebuild_round(self.certified, list(self.start))

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
+from hetero_node.client.swarm import view
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import CheckpointError, PayloadError
 from hetero_node.protocol.records import PeerRecord
@@ -60,7 +61,7 @@ class HeldState:
     def load_state(self, min_round: int, wait_s: float) -> int | None:
         """θ of every held shard at round ≥ min_round from a donor whose advertised fingerprints it matches;
         returns the bytes downloaded, None when no donor had it in time."""
-        loaded = self.states.load(lambda: self.donors(self.records()), min_round, wait_s, self.stop)
+        loaded = self.states.load(lambda: self.holders(self.records()), min_round, wait_s, self.stop)
         if loaded is None:
             return None
         new_round, states, size = loaded
@@ -81,6 +82,11 @@ class HeldState:
         self.publish_state()
         self.announce()
         return size
+
+    def holders(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """The peers holding any shard we hold: who may serve us a shard's state (each shard from its holders,
+        `ShardStates.load`), stage peers for a full replica too."""
+        return {pid: r for shard in self.syncs for pid, r in view.shard_donors(records, shard).items()}
 
     def checkpoint(self) -> None:
         """θ(t+1), the optimizer and the outer method's state (error feedback), written atomically each round."""

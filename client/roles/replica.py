@@ -142,7 +142,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
 
     @abstractmethod
     def donors(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """The records of peers that may serve our shards' states."""
+        """The peers whose certified rounds say whether the swarm is ahead of us (`catch_up`, with the holders of
+        our shards): full replicas for a full replica, the stage's holders for a stage peer."""
 
     @abstractmethod
     def metrics_header(self) -> dict[str, Any]:
