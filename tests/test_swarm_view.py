@@ -79,7 +79,7 @@ def test_the_members_a_round_waits_for_are_those_training_it() -> None:
     assert coming(records, 3, 0) == {"f1", "c0", "e0", "f2"}  # f2 still finishing round 2 (not d0)
     assert coming(records, 3, 1) == {"f1", "f2", "a9"}  # f2 and a9 finishing round 2 (e1 is in 4)
     assert coming(records, 2, 1) == {"f2", "a9"}  # b0 lost its slot
-    assert coming(records, 4, 1) == {"e1"}
+    assert coming(records, 4, 1) == {"e1", "f1"}  # f1 trains round 3: it will come to 4
     assert coming(records, 9, 0) == set()
     assert coming(records, 5, 1) == {"e1"}  # e1 finishing round 4 (a9 two rounds behind)
     bigger = {**records, **dict([full("f3", 2, 2), full("g2", 2, 2)])}
