@@ -407,7 +407,9 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             self.set_params(shard, tensors)
             if caught_up is not None:  # rebuilt from a donor's set, not ours: nothing of ours to heal
                 self.syncs[shard].applied = None
-        if not self.upkeep(new_round):
+        if not certified:  # a void round moved nothing: θ(t) and T_fixed(t) stay, as they were when it started
+            self.embed_change = None
+        elif not self.upkeep(new_round):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
             rebase(self.params, progress)
             return None
