@@ -30,7 +30,8 @@ ROUND_S = 3.0
 CUT_S = 4 * ROUND_S
 """How long the sides stay apart: about 2 rounds (a round takes 5-7 s here: 3 s of training, then its exchange, which
 is where a cut is felt). Shorter than `--quorum-patience` (5) rounds, after which a side whose peers' records are all
-gone from its view would count only those it still sees, and than the rounds whose messages peers keep serving (KEPT_ROUNDS, 4: the one cut off rebuilds what it missed from them, no state download)."""
+gone from its view would count only those it still sees, and than the rounds whose messages peers keep serving
+(KEPT_ROUNDS, 4: the one cut off rebuilds what it missed from them, no state download)."""
 
 
 def applied(record: dict[str, Any]) -> bool:
