@@ -109,7 +109,7 @@ bench-exchange: venv data
 	$(BIN)/hetero-node-lab exchange --out bench/results/exchange-scaling
 
 # The swarm CI's tests run (a bootstrap and 4 full replicas of tiny on 2 shards), 50 times in a row: rounds in which
-# replicas disagree (goal 0), rounds aggregated without every replica, failed runs (about 1 min a run on 2 cores).
+# replicas disagree (goal 0), rounds aggregated without every replica, failed runs (about 65 min on 2 cores).
 bench-agreement: venv data
 	$(BIN)/hetero-node-lab agreement --out bench/results/agreement
 
