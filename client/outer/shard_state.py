@@ -149,16 +149,19 @@ class ShardStates:
     def _load_round(
         self, records: dict[str, PeerRecord], round_: int, failed: set[tuple[str, int, int]], me: str
     ) -> tuple[dict[int, dict[str, Any]], int] | None:
-        """Every held shard's state of `round_` from vouched holders (full replicas first: one donor for all), or
-        None as soon as a shard has none left that serves it."""
+        """Every held shard's state of `round_` from vouched holders (full replicas first: one donor for all; then
+        by peer id, highest first), or None as soon as a shard has none left that serves it."""
         states, size = {}, 0
         for shard in self.shapes:
             holders = view.shard_donors(records, shard)
             donors = sorted(
-                (r.role != ROLE_FULL, pid)
-                for pid, r in holders.items()
-                if pid != me and r.round == round_ and (pid, round_, shard) not in failed
-                and view.vouched_fingerprint(holders, round_, str(shard), me) == r.fingerprints.get(str(shard))
+                (
+                    (r.role == ROLE_FULL, pid)
+                    for pid, r in holders.items()
+                    if pid != me and r.round == round_ and (pid, round_, shard) not in failed
+                    and view.vouched_fingerprint(holders, round_, str(shard), me) == r.fingerprints.get(str(shard))
+                ),
+                reverse=True,
             )  # fmt: skip
             for _, donor in donors:
                 downloaded = self._download(donor, records[donor], round_, shard)
