@@ -118,6 +118,8 @@ def test_a_stopped_stage_resumes_its_shard_and_error_feedback_from_its_checkpoin
         assert_shards_agree(full[t], s0[t], s1[t], t)
 
 
+# long: about 60 s; `make test` loads states through the same per-shard path (test_real_network.py's late joiner)
+@pytest.mark.long
 def test_a_full_replica_where_only_the_virtual_replica_went_on_loads_each_shard_from_its_stage(tmp_path: Path) -> None:
     """The restart deadlock of issue 31: a full replica coming back to a swarm whose only other holders are stage
     peers once waited forever for a full replica to serve it the whole model. Each shard now comes from its holders."""

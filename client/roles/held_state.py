@@ -59,8 +59,8 @@ class HeldState:
             param.copy_(value)
 
     def load_state(self, min_round: int, wait_s: float) -> int | None:
-        """θ of every held shard at round ≥ min_round from a donor whose advertised fingerprints it matches;
-        returns the bytes downloaded, None when no donor had it in time."""
+        """θ of every held shard at one round ≥ min_round, each shard from a holder whose advertised fingerprint it
+        matches; returns the bytes downloaded, None when no round could be loaded in time."""
         loaded = self.states.load(lambda: self.holders(self.records()), min_round, wait_s, self.stop)
         if loaded is None:
             return None
