@@ -150,20 +150,14 @@ class ShardStates:
         self, records: dict[str, PeerRecord], round_: int, failed: set[tuple[str, int, int]], me: str
     ) -> tuple[dict[int, dict[str, Any]], int] | None:
         """Every held shard's state of `round_` from vouched holders (full replicas first: one donor for all; then
-        by peer id, highest first), or None as soon as a shard has none left that serves it."""
+        by peer id, highest first), or None when a shard has none left that serves it. Nothing is downloaded for
+        a round some shard has no candidate at (retried every half second, it would fetch the others again)."""
+        candidates = {shard: self._donors(records, round_, shard, failed, me) for shard in self.shapes}
+        if not all(candidates.values()):
+            return None
         states, size = {}, 0
-        for shard in self.shapes:
-            holders = view.shard_donors(records, shard)
-            donors = sorted(
-                (
-                    (r.role == ROLE_FULL, pid)
-                    for pid, r in holders.items()
-                    if pid != me and r.round == round_ and (pid, round_, shard) not in failed
-                    and view.vouched_fingerprint(holders, round_, str(shard), me) == r.fingerprints.get(str(shard))
-                ),
-                reverse=True,
-            )  # fmt: skip
-            for _, donor in donors:
+        for shard, donors in candidates.items():
+            for donor in donors:
                 downloaded = self._download(donor, records[donor], round_, shard)
                 if downloaded is not None:
                     states[shard] = downloaded[0]
@@ -174,6 +168,25 @@ class ShardStates:
             else:
                 return None
         return states, size
+
+    @staticmethod
+    def _donors(
+        records: dict[str, PeerRecord], round_: int, shard: int, failed: set[tuple[str, int, int]], me: str
+    ) -> list[str]:
+        """The holders of `shard` at `round_` whose fingerprint for it most of its holders there advertise, best
+        first, leaving out those that failed it."""
+        holders = view.shard_donors(records, shard)
+        vouched = view.vouched_fingerprint(holders, round_, str(shard), me)
+        ranked = sorted(
+            (
+                (r.role == ROLE_FULL, pid)
+                for pid, r in holders.items()
+                if pid != me and r.round == round_ and (pid, round_, shard) not in failed
+                and vouched is not None and r.fingerprints.get(str(shard)) == vouched
+            ),
+            reverse=True,
+        )  # fmt: skip
+        return [pid for _, pid in ranked]
 
     def _download(self, donor: str, record: PeerRecord, round_: int, shard: int) -> tuple[dict[str, Any], int] | None:
         """`donor`'s state of `shard` at `round_`, checked against the fingerprint it advertises; None on any
