@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,22 @@ class Certificate:
     members: frozenset[str]
     """Its sealers: the next round's quorum base."""
     start_fp: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a checkpoint keeps it: a member restarted from it needs the same majority it needed before."""
+        return {"round": self.round, "members": sorted(self.members), "start_fp": self.start_fp}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Certificate | None:
+        """The certificate `to_dict` wrote; None for anything else (a checkpoint that predates them)."""
+        if not isinstance(raw, dict):
+            return None
+        round_, members, start_fp = raw.get("round"), raw.get("members"), raw.get("start_fp")
+        if type(round_) is not int or not isinstance(start_fp, str) or not isinstance(members, list):
+            return None
+        if not all(isinstance(m, str) for m in members):
+            return None
+        return cls(round_, frozenset(members), start_fp)
 
 
 def quorum_base(

@@ -18,6 +18,7 @@ from hetero_node.bench.poison import swarm
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
 from hetero_node.models.shards import fingerprint
+from hetero_node.protocol import tensor_file
 from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
 
 NAMES = st.text(alphabet="abcdefgh", min_size=1, max_size=2)
@@ -50,6 +51,14 @@ def test_the_base_shrinks_only_after_patience_and_only_by_the_gone(
         assert base == (members & live or members)  # never empty: someone must still seal
     assert base <= members
     assert quorum_base(None, since, patience, live, expected=["x", "y"]) == {"x", "y"}  # no certificate yet
+
+
+@given(members=st.frozensets(NAMES, max_size=9), round_=st.integers(0, 1 << 20))
+def test_a_certificate_survives_a_checkpoint_and_garbage_is_none(members: frozenset[str], round_: int) -> None:
+    certificate = Certificate(round_, members, "ab12")
+    assert Certificate.from_dict(tensor_file.loads(tensor_file.dumps(certificate.to_dict()))) == certificate
+    for garbage in (None, [], {"round": "3", "members": [], "start_fp": ""}, {"round": 3, "members": [1]}):
+        assert Certificate.from_dict(garbage) is None
 
 
 SHAPES = [(32, 16), (50,)]

@@ -20,6 +20,7 @@ from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoin
 from hetero_node.client.swarm import view
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import CheckpointError, PayloadError
+from hetero_node.protocol.quorum import Certificate
 from hetero_node.protocol.records import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class HeldState:
             "model": self.module.state_dict(),
             "trainer": self.trainer.state_dict(),
             "syncs": [self.syncs[s].method.state_dict() for s in sorted(self.syncs)],
+            "certificates": {str(s): sync.certificate.to_dict() for s, sync in self.syncs.items() if sync.certificate},
             "run_config": self.run_cfg.to_dict(),  # what `hetero-node export` rebuilds the model's shape from
             **self.checkpoint_extras(),
         }
@@ -129,6 +131,9 @@ class HeldState:
         self.restore_extras(state)
         for shard, sync_state in zip(sorted(self.syncs), state["syncs"], strict=True):
             self.syncs[shard].method.load_state_dict(sync_state)
+        certificates = state.get("certificates") or {}
+        for shard, sync in self.syncs.items():  # restarted, a member alone must not certify the rounds it missed
+            sync.certificate = Certificate.from_dict(certificates.get(str(shard)))
         self.adopt_start()
         self.round = int(state["round"])
         self.certified = int(state.get("certified", self.round))
