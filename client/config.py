@@ -111,6 +111,13 @@ class NodeConfig:
     eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto."})
+    devices: str = field(
+        default="",
+        metadata={
+            "help": "Train one full replica on several devices of this machine: all (every GPU) or a list "
+            "(cuda:0,cuda:1); data parallel inside the node, one member of the swarm. Default: --device alone."
+        },
+    )
     compile: bool = field(
         default=True, metadata={"help": "torch.compile a full replica's training step on CUDA (CPU trains eagerly)."}
     )

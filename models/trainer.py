@@ -66,13 +66,21 @@ class InnerTrainer:
     """AdamW on one module (a whole model or a pipeline stage); `step` counts inner steps for the LR schedule.
 
     `compile` compiles the module's training forward and loss (a whole model only: a pipeline stage's
-    forward is split across calls). If compiling fails, the trainer warns once and stays eager.
+    forward is split across calls). If compiling fails, the trainer warns once and stays eager. `gradient_hook`
+    sees the module's gradients before each step clips them (a multi-device node averages them over its ranks).
     """
 
     def __init__(
-        self, model: nn.Module, cfg: OptimConfig, total_steps: int, device: torch.device, compile: bool = False
+        self,
+        model: nn.Module,
+        cfg: OptimConfig,
+        total_steps: int,
+        device: torch.device,
+        compile: bool = False,
+        gradient_hook: Callable[[nn.Module], None] | None = None,
     ) -> None:
         self.model, self.cfg, self.total_steps, self.device = model, cfg, total_steps, device
+        self.gradient_hook = gradient_hook
         matrices = [p for p in model.parameters() if p.dim() >= 2]
         vectors = [p for p in model.parameters() if p.dim() < 2]  # norms: weight decay would only shrink them
         on_cuda = device.type == "cuda" and all(p.is_cuda for p in model.parameters())
@@ -171,6 +179,8 @@ class InnerTrainer:
         lr = cosine_lr(self.step, self.total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.gradient_hook is not None:
+            self.gradient_hook(self.model)
         clip = self.cfg.grad_clip if clip_norm is None else clip_norm
         if clip > 0:
             nn.utils.clip_grad_norm_(self.model.parameters(), clip)

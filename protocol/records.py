@@ -67,6 +67,9 @@ class PeerRecord(pydantic.BaseModel):
     addrs: conlist(constr(strict=True, max_length=256), max_items=16)  # type: ignore[valid-type]
     version: constr(strict=True, max_length=32)  # type: ignore[valid-type]
     gpus: conlist(GpuInfo, max_items=MAX_GPUS)  # type: ignore[valid-type]
+    devices: conint(strict=True, ge=1, le=MAX_GPUS)  # type: ignore[valid-type]
+    """Devices this node trains its one replica on (`--devices`: local ranks, data parallel); `memory_gb` is one
+    device's budget (each holds the whole model), `tokens_per_s` the whole node's."""
     cpu_cores: conint(strict=True, ge=1, le=4096)  # type: ignore[valid-type]
     ram_gb: confloat(strict=True, ge=0, le=MAX_MEMORY_GB)  # type: ignore[valid-type]
     memory_gb: confloat(strict=True, ge=0, le=MAX_MEMORY_GB)  # type: ignore[valid-type]

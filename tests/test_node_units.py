@@ -223,7 +223,8 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
 
     peer = {
         "peer_id": "QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z", "role": "stage", "vr": 0, "stage": 1,
-        "gpus": [{"name": "RTX 3060", "memory_gb": 12.0}], "cpu_cores": 8, "memory_gb": 11.5, "upload_mbps": 48.0,
+        "gpus": [{"name": "RTX 3060", "memory_gb": 12.0}], "devices": 1, "cpu_cores": 8, "memory_gb": 11.5,
+        "upload_mbps": 48.0,
         "download_mbps": 95.0, "tokens_per_s": 0.0, "round": 3, "loss": 3.25, "last_seen_s": 2.0, "view": "ab",
     }  # fmt: skip
     snapshot = {
@@ -238,6 +239,12 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
     marked = {**snapshot, "peers": [{**peer, "gpus": [{"name": "[/bold]", "memory_gb": 1.0}]}]}
     console.print(render(marked))  # a peer's GPU name is text, never markup (it once crashed the view)
     assert "[/bold]" in console.export_text()
+    server = {
+        **snapshot,
+        "peers": [{**peer, "role": "full", "devices": 8, "gpus": [{"name": "H100", "memory_gb": 80.0}]}],
+    }
+    console.print(render(server))  # one replica on 8 GPUs: one row
+    assert "8× H100" in console.export_text()
 
 
 def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Path) -> None:
@@ -279,6 +286,15 @@ def test_compress_all_makes_every_node_a_stage_and_one_stage_runs_have_none() ->
     with pytest.raises(ConfigError, match="one stage"):
         role_for_run(one_stage, "stage")
     assert role_for_run(one_stage, "auto") == "auto"
+
+
+def test_a_node_on_several_devices_trains_a_full_replica() -> None:
+    assert role_for_run(run_config(), "auto", devices=2) == role_for_run(run_config(), "full", devices=2) == "full"
+    with pytest.raises(ConfigError, match="one full replica across them"):
+        role_for_run(run_config(), "stage", devices=2)
+    compress_all = dataclasses.replace(run_config(), pipeline=PipelineConfig(activation_compression="compress-all"))
+    with pytest.raises(ConfigError, match="pass --device instead"):
+        role_for_run(compress_all, "auto", devices=2)
 
 
 @pytest.mark.parametrize(

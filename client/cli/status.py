@@ -26,6 +26,16 @@ from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
 
 
+def _hardware(peer: dict[str, Any]) -> str:
+    """What a peer trains on: its GPU (a peer's text, not markup), or its CPU; ×N where a node trains one replica
+    on N local devices (`--devices`)."""
+    ranks = peer["devices"]
+    if peer["gpus"]:
+        name = escape(peer["gpus"][0]["name"])
+        return f"{ranks}× {name}" if ranks > 1 else name
+    return f"cpu ×{peer['cpu_cores']}" + (f", {ranks} ranks" if ranks > 1 else "")
+
+
 def _peer_table(snapshot: dict[str, Any]) -> Table:
     run = snapshot["run"]
     title = f"run {snapshot['run_id']}" + (f" · {run['preset']} · H={run['outer']['inner_steps']}" if run else "")
@@ -34,7 +44,7 @@ def _peer_table(snapshot: dict[str, Any]) -> Table:
                    "seen"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("peer", "role", "gpu") else "right")
     for p in snapshot["peers"]:
-        gpu = escape(p["gpus"][0]["name"]) if p["gpus"] else f"cpu ×{p['cpu_cores']}"  # a peer's text, not markup
+        gpu = _hardware(p)
         table.add_row(
             p["peer_id"][-8:], p["role"], str(p["vr"]) if p["vr"] >= 0 else "", str(p["stage"]) if p["stage"] >= 0
             else "", gpu, f"{p['memory_gb']:.2f}", f"{p['upload_mbps']:,.0f}/{p['download_mbps']:,.0f}",

@@ -15,6 +15,7 @@ from importlib.metadata import version
 from typing import Any
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.local.devices import resolve_devices
 from hetero_node.client.monitor.health import Health
 from hetero_node.client.monitor.http_server import MonitorServer
 from hetero_node.client.monitor.node_metrics import NodeMetrics
@@ -30,7 +31,6 @@ from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.reachability import reachable_runtime
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.models.paths import default_cache_dir
-from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import REQUEST_FULL, REQUEST_STAGE, ROLE_FULL, ROLE_JOINING
@@ -48,19 +48,21 @@ def _initial_record(
     runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int
 ) -> PeerRecord:
     """Measure this node and describe it as a PeerRecord (role still "joining")."""
-    device = resolve_device(node.device)
-    hardware = probe_hardware(device, node.memory_gb)
+    devices = resolve_devices(node.device, node.devices)
+    hardware = probe_hardware(devices[0], node.memory_gb)  # each local rank holds the whole model
     bandwidth = node_bandwidth(
         runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
     )
     fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
-    throughput = measure_throughput(run, device) if fits and requested_role != REQUEST_STAGE else 0.0
+    throughput = measure_throughput(run, devices[0]) if fits and requested_role != REQUEST_STAGE else 0.0
     step_s = run.batch_size * run.seq_len / throughput + node.step_delay_s if throughput > 0 else 0.0
+    throughput *= len(devices)  # an estimate (a step of each rank at once) until the first round measures it
     return PeerRecord(
         peer_id=str(runtime.peer_id),
         addrs=runtime.advertised_addrs[:16],
         version=version("hetero-node"),
         gpus=[{"name": name[:128], "memory_gb": round(gb, 2)} for name, gb in hardware.gpus],
+        devices=len(devices),
         cpu_cores=hardware.cpu_cores,
         ram_gb=round(hardware.ram_gb, 2),
         memory_gb=round(hardware.memory_gb, 3),
@@ -89,8 +91,16 @@ def _initial_record(
     )
 
 
-def role_for_run(run: RunConfig, requested_role: str) -> str:
-    """compress-all trains every replica as a virtual replica; a run without boundaries has no stages."""
+def role_for_run(run: RunConfig, requested_role: str, devices: int = 1) -> str:
+    """compress-all trains every replica as a virtual replica; a run without boundaries has no stages; a node on
+    several devices (`--devices`) trains a full replica across them."""
+    if devices > 1:
+        if requested_role == REQUEST_STAGE or run.pipeline.activation_compression == "compress-all":
+            raise ConfigError(
+                "--devices: a node on several devices trains one full replica across them; a pipeline stage (--role "
+                "stage, or a compress-all run) runs on one device: pass --device instead"
+            )
+        return REQUEST_FULL
     if run.pipeline.activation_compression == "compress-all":
         if requested_role == REQUEST_FULL:
             raise ConfigError("--role full: this run is compress-all, where every node serves a pipeline stage")
@@ -152,7 +162,7 @@ def run_node(
         else:
             logger.warning("no peer in --peers announces a run; using this node's own run options")
             run, store = prepare_run(*configs.values())
-        requested_role = role_for_run(run, requested_role)
+        requested_role = role_for_run(run, requested_role, len(resolve_devices(node.device, node.devices)))
         runtime.join_run(run.run_id)
         metrics = serve_node_metrics(stack, node, run, runtime)
         if metrics is not None:

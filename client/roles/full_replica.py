@@ -17,18 +17,19 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.config import NodeConfig, SyncTimeouts
+from hetero_node.client.local.collective import mean_gradients
+from hetero_node.client.local.devices import resolve_devices
+from hetero_node.client.local.group import LocalGroup
 from hetero_node.client.roles.replica import STEP_STRIDE, Replica, replica_number
 from hetero_node.client.roles.round_record import Trained
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.runtime import PeerRuntime
-from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, val_batches
+from hetero_node.models.replica_model import full_model
 from hetero_node.models.shards import shard_parameter_names, shard_tensors
-from hetero_node.models.subspace import enable_subspace, subspace_basis
-from hetero_node.models.trainer import InnerTrainer, compile_wanted, resolve_device
-from hetero_node.models.transformer import Transformer
+from hetero_node.models.trainer import InnerTrainer, compile_wanted
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL
 from hetero_node.protocol.run_config import RunConfig
@@ -51,18 +52,18 @@ class FullReplica(Replica):
         membership: Membership,
     ) -> None:
         super().__init__(run, node, timeouts, runtime, membership, overlap=run.outer.overlap)
-        self.device = resolve_device(node.device)
-        model_cfg = get_preset(run.preset, vocab_size=run.vocab_size)
-        self.model = Transformer(model_cfg, seed=run.seed).to(self.device)
-        self.basis = None
-        if run.uses_subspace:  # embedding = T_fixed + E_S, as on the virtual replicas (the FR stays unconstrained)
-            self.basis = subspace_basis(model_cfg.d_model, run.pipeline.rank(model_cfg.d_model), run.seed)
-            enable_subspace(self.model, self.basis.to(self.device))
-        names = shard_parameter_names(model_cfg, run.outer.stages)
+        devices = resolve_devices(node.device, node.devices)
+        self.device = devices[0]
+        self.model, self.basis = full_model(run, self.device)
+        names = shard_parameter_names(self.model.cfg, run.outer.stages)
         self.params = {s: shard_tensors(self.model, shard_names) for s, shard_names in enumerate(names)}
+        compile = compile_wanted(node.compile, self.device)
+        self.ranks = LocalGroup(run, devices, compile) if len(devices) > 1 else None
+        """The node's other local ranks (`--devices`): this process is rank 0, the one the swarm sees."""
         self._trainer = InnerTrainer(
-            self.model, run.optim, run.total_inner_steps, self.device, compile=compile_wanted(node.compile, self.device)
-        )
+            self.model, run.optim, run.total_inner_steps, self.device, compile,
+            gradient_hook=mean_gradients if self.ranks is not None else None,
+        )  # fmt: skip
         self.replica_id = replica_number(node, runtime)
         self.batches = ShardBatches(
             store, self.replica_id % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
@@ -105,12 +106,15 @@ class FullReplica(Replica):
 
     def train(self, plan: RoundPlan) -> Trained | None:
         """Inner AdamW steps on our data shard until the plan says stop, each accumulating `plan.accumulation`
-        batches; the LR schedule advances H per round."""
+        batches (on each local rank); the LR schedule advances H per round."""
         from hivemind.utils import get_dht_time
 
         if plan.sit_out:
             return None
         t, H, a = plan.round, self.run_cfg.outer.inner_steps, plan.accumulation
+        world = 1 if self.ranks is None else self.ranks.world
+        if self.ranks is not None:  # θ(t) and the optimizer as this rank holds them, on every rank
+            self.ranks.sync(self.model, self.trainer.optimizer)
         losses: list[Tensor] = []
         compute_s, between_s, started, last_check = 0.0, 0.0, time.perf_counter(), [time.monotonic()]
         # a step still running on the device ends about a step from now: the next one would end a step later
@@ -121,8 +125,8 @@ class FullReplica(Replica):
                 return None
             step_started = time.perf_counter()
             self.trainer.step = t * H + min(len(losses), H - 1)  # the schedule's position is a function of the round
-            first = t * STEP_STRIDE + len(losses) * a
-            losses.append(self.trainer.train_accumulated([self.batches.batch(first + j) for j in range(a)]))
+            first = t * STEP_STRIDE + len(losses) * a * world
+            losses.append(self.train_step([self.batches.batch(first + j) for j in range(a * world)]))
             if self.clock.step_s <= 0:  # the run's first step: wait for it, it is about to be timed alone
                 self.trainer.synchronize()
             if self.node.step_delay_s:
@@ -131,19 +135,33 @@ class FullReplica(Replica):
             compute_s += step_s
             if self.clock.step_s <= 0:  # the first step of the run: a first estimate for the deadline check
                 self.clock.record_speed(a, step_s)
+            flight = self.in_flight
             plan = self.between_steps(plan, last_check)  # may settle an overlapped round: not compute time
+            if self.ranks is not None and self.in_flight is not flight:  # it did: θ changed here, not there
+                self.ranks.sync(self.model, self.trainer.optimizer)
             between_s += time.perf_counter() - step_started - step_s
         step_started = time.perf_counter()
         self.trainer.synchronize()  # the last step's device time is compute time too
         compute_s += time.perf_counter() - step_started
         loss = sum(torch.stack(losses).tolist()) / len(losses) if losses else None
-        tokens = len(losses) * a * self.run_cfg.batch_size * self.run_cfg.seq_len
+        tokens = len(losses) * a * world * self.run_cfg.batch_size * self.run_cfg.seq_len
         self.announce(
             train_round=t,
             loss=loss if loss is not None and math.isfinite(loss) else None,
             tokens_per_s=round(tokens / max(compute_s, 1e-9), 1),
         )
         return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a, between_s)
+
+    def train_step(self, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """One inner step on `batches`: here, or split over the node's local ranks."""
+        if self.ranks is None:
+            return self.trainer.train_accumulated(batches)
+        return self.ranks.step(self.trainer, batches)
+
+    def close(self) -> None:
+        super().close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def upkeep(self, new_round: int) -> bool:
         """After our own outer step: move the embedding's drift into T_fixed, as every peer of the run does."""
