@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat sim clean
+.PHONY: venv data demo test test-long docker-test lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat bench-local-ranks sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -66,7 +66,8 @@ gpu-wheels: venv data
 	du -ch .whl/*.whl .cache/hetero-node | sort -h
 
 # On one GPU: a CUDA member's outer step against a CPU member's, bit for bit (tests/test_outer_devices.py), the staged
-# checkpoint (tests/test_checkpoint_devices.py), tokens/s and MFU per preset (compile on and off), and the demo swarm on
+# checkpoint (tests/test_checkpoint_devices.py), a node's local ranks over NCCL where it has 2 GPUs
+# (tests/test_local_ranks.py), tokens/s and MFU per preset (compile on and off), and the demo swarm on
 # 178m with and without --overlap (agreement, contributions, utilisation; H = 30, the run's default); figures in
 # bench/results/gpu-check. About 9 min on an H200 (its parts ran 2026-11-26; the swarm part alone, --presets ''
 # --rounds 3, 4.5 min).
@@ -77,7 +78,8 @@ gpu-check:
 		python3 -m pip install --quiet --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1; site=/tmp/site; fi; \
 	if [ -d .cache/hetero-node ]; then export HETERO_NODE_CACHE="$$PWD/.cache/hetero-node"; fi; \
 	export PYTHONPATH="$$site$${PYTHONPATH:+:$$PYTHONPATH}" PATH="$$site/bin:$$PATH"; \
-	python3 -m pytest -q -p no:cacheprovider tests/test_outer_devices.py tests/test_checkpoint_devices.py && \
+	python3 -m pytest -q -p no:cacheprovider -rs tests/test_outer_devices.py tests/test_checkpoint_devices.py \
+		tests/test_local_ranks.py -m 'not multipeer' && \
 	python3 -m hetero_node.bench.gpu_check --out bench/results/gpu-check $(GPU_CHECK_ARGS)
 
 # The benchmark scenarios (need root: network namespaces, CPU cgroups). hetero: all five methods on 2 datacenter and
@@ -88,6 +90,12 @@ bench: venv data
 		--out bench/results/hetero
 	$(BIN)/hetero-node-lab bench --topology mixed-speed --methods hetero --preset small --rounds 6 --inner-steps 10 \
 		--overlap --out bench/results/mixed-speed
+
+# One node's step on its local ranks against one process's on the same batches (README, "Several GPUs in one server"):
+# two CPU ranks here (under a minute); on a multi-GPU server, LOCAL_RANKS_ARGS="--devices all --preset 178m".
+LOCAL_RANKS_ARGS ?=
+bench-local-ranks: venv
+	$(BIN)/hetero-node-lab local-ranks $(LOCAL_RANKS_ARGS)
 
 # Time to loss: ddp's budget is 6 x H = 20 steps, the swarm methods get 30 rounds; the report says when each first
 # reached ddp's final eval loss (within 3%). tiny on the hetero links, the lab's batch and LR (about 25 min; root).

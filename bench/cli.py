@@ -17,6 +17,7 @@ from hetero_node.bench.config import (
     ExchangeScalingConfig,
     FuzzConfig,
     KillSoakConfig,
+    LocalRanksConfig,
     NatBenchConfig,
     PlanScalingConfig,
     PoisonConfig,
@@ -170,6 +171,16 @@ def bench_rounds(cfg: RoundModesConfig) -> None:
     with err_console.status("running the round modes (one local swarm per mode and seed)"):
         report = run_round_modes(cfg)
     print_plain(render_markdown(report))
+
+
+@lab.command("local-ranks")
+@expand_dataclass_options
+def bench_local_ranks(cfg: LocalRanksConfig) -> None:
+    """One node's step on several local devices (`join --devices`) against one process's on the same batches:
+    throughput ratio and weight agreement; report.json and report.md under --out."""
+    from hetero_node.bench.local_ranks import render_markdown, run_local_ranks
+
+    run_with_progress(run_local_ranks, render_markdown, cfg)
 
 
 @lab.command("ddp-rank", hidden=True)

@@ -477,3 +477,19 @@ class ExchangeScalingConfig:
         if self.max_contributors < 0:
             raise ConfigError(f"--max-contributors must be ≥ 0, got {self.max_contributors}")
         positive_int_list(self.replicas, "--replicas")  # a bad list fails here, before any work
+
+
+@dataclass(frozen=True)
+class LocalRanksConfig:
+    """One node's step on several local devices against one process's on all the batches; defaults (two CPU ranks,
+    tiny) take under a minute."""
+
+    devices: str = field(default="cpu,cpu", metadata={"help": "The node's devices, as `join --devices` takes them."})
+    preset: str = field(default="tiny", metadata={"help": "Model preset."})
+    batch_size: int = field(default=8, metadata={"help": "Sequences per batch (each rank trains one per step)."})
+    seq_len: int = field(default=64, metadata={"help": "Tokens per sequence."})
+    steps: int = field(default=20, metadata={"help": "Timed inner steps of each, after one untimed."})
+    out: Path = field(default=Path("bench/results/local-ranks"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "batch_size", "seq_len", "steps")

@@ -68,13 +68,27 @@ def test_a_device_list_names_the_ranks() -> None:
             resolve_devices("cpu", "all")
 
 
-def test_two_ranks_take_the_step_one_process_takes_on_all_their_batches() -> None:
+GPUS = torch.cuda.device_count()
+DEVICE_PAIRS = [
+    pytest.param([CPU, CPU], 1e-5, id="gloo-cpu"),
+    pytest.param(
+        [torch.device("cuda", 0), torch.device("cuda", 1)], 2e-3, id="nccl-2-gpus",
+        marks=pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs (NCCL refuses two ranks on one); {GPUS} here"),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("devices", "tolerance"), DEVICE_PAIRS)
+def test_two_ranks_take_the_step_one_process_takes_on_all_their_batches(
+    devices: list[torch.device], tolerance: float
+) -> None:
     run = run_config()
-    alone, _ = full_model(run, CPU)
-    reference = InnerTrainer(alone, run.optim, run.total_inner_steps, CPU)
-    model, _ = full_model(run, CPU)
-    trainer = InnerTrainer(model, run.optim, run.total_inner_steps, CPU, gradient_hook=mean_gradients)
-    group = LocalGroup(run, [CPU, CPU], compile=False)
+    device = devices[0]
+    alone, _ = full_model(run, device)
+    reference = InnerTrainer(alone, run.optim, run.total_inner_steps, device)
+    model, _ = full_model(run, device)
+    trainer = InnerTrainer(model, run.optim, run.total_inner_steps, device, gradient_hook=mean_gradients)
+    group = LocalGroup(run, devices, compile=False)
     try:
         group.sync(model, trainer.optimizer)
         for step in range(3):
@@ -82,10 +96,10 @@ def test_two_ranks_take_the_step_one_process_takes_on_all_their_batches() -> Non
             reference.step = trainer.step = step
             expected = reference.train_accumulated(data)
             got = group.step(trainer, data)
-            assert torch.allclose(got, expected, atol=1e-6), "the loss is not the mean over both ranks' batches"
+            assert torch.allclose(got, expected, atol=tolerance), "the loss is not the mean over both ranks' batches"
         for ours, theirs in zip(model.parameters(), alone.parameters(), strict=True):
-            assert torch.allclose(ours, theirs, atol=1e-5), "rank 1's gradients did not count"
-        initial = full_model(run, CPU)[0].parameters()
+            assert torch.allclose(ours, theirs, atol=tolerance), "rank 1's gradients did not count"
+        initial = full_model(run, device)[0].parameters()
         assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), initial, strict=True)), "no step"
     finally:
         group.close()
@@ -150,6 +164,16 @@ def test_killing_the_node_ends_its_ranks() -> None:
         assert not any(alive(pid) for pid in ranks), "a local rank outlived its node"
     finally:
         node.kill()
+
+
+def test_the_local_ranks_bench_reports_agreeing_weights(tmp_path: Path) -> None:
+    from hetero_node.bench.config import LocalRanksConfig
+    from hetero_node.bench.local_ranks import run_local_ranks
+
+    report = run_local_ranks(LocalRanksConfig(steps=2, out=tmp_path))
+    assert report["devices"] == ["cpu", "cpu"] and report["node_tokens_per_s"] > 0 and report["speedup"] > 0
+    assert report["max_weight_difference"] < 1e-5
+    assert "One replica on 2 local devices" in (tmp_path / "report.md").read_text()
 
 
 ROUNDS = 3

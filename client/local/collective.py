@@ -67,7 +67,6 @@ def share_batches(
 
 def mean_gradients(module: nn.Module) -> None:
     """Replace every rank's gradients by their mean over the ranks (called before clipping and the AdamW step)."""
-    world = dist.get_world_size()
     by_dtype: dict[torch.dtype, list[Tensor]] = defaultdict(list)
     for p in module.parameters():
         if p.grad is not None:
@@ -77,20 +76,23 @@ def mean_gradients(module: nn.Module) -> None:
         for grad in grads:
             bucket.append(grad)
             if sum(g.numel() for g in bucket) >= BUCKET_ELEMENTS:
-                _average(bucket, world)
+                average(bucket)
                 bucket = []
         if bucket:
-            _average(bucket, world)
+            average(bucket)
 
 
-def _average(grads: list[Tensor], world: int) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def average(tensors: list[Tensor]) -> int:
+    """Replace each of `tensors` (one dtype) by its mean over the ranks, in one all-reduce of a flat copy; returns
+    the bytes of that buffer."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat)
-    flat /= world
+    flat /= dist.get_world_size()
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat.numel() * flat.element_size()
 
 
 def mean_loss(loss: Tensor) -> Tensor:
