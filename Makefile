@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat bench-local-ranks sim clean
+.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat bench-local-ranks sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -34,7 +34,12 @@ test-long: venv data
 # The Docker image, built from a debootstrap'd Debian base and run: a bootstrap and two joins in containers on a docker
 # network train `tiny` and agree (root; installs docker.io and debootstrap if missing, starts dockerd; 3 to 5 min).
 docker-test: venv
-	HETERO_NODE_DOCKER_TEST=1 $(BIN)/python -m pytest -q -s -m docker tests/test_docker.py --durations=5
+	HETERO_NODE_DOCKER_TEST=1 $(BIN)/python -m pytest -q -s -m docker tests/test_docker.py -k "not cuda" --durations=5
+
+# The image's CUDA variant for GPU servers, built on the same base with PyPI's CUDA torch (about 3 GB more to fetch):
+# a CUDA torch with NCCL in it, `join --devices` in its CLI (root; no GPU needed).
+docker-test-cuda: venv
+	HETERO_NODE_DOCKER_TEST=1 $(BIN)/python -m pytest -q -s -m docker tests/test_docker.py -k cuda --durations=5
 
 lint: venv
 	$(BIN)/ruff check .

@@ -4,7 +4,10 @@
 # torch wheel this host's pip resolves (a CPU build here) served to the build from 127.0.0.1.
 #   bash bench/docker_image.sh [TAG]        (default TAG: hetero-node:debian; needs root)
 # Installs docker.io and debootstrap with apt-get if missing and starts dockerd if none answers (for machines
-# without an init system that would). Environment: HETERO_NODE_DOCKER_BASE (the base's tag), TORCH_VERSION.
+# without an init system that would). Environment: HETERO_NODE_DOCKER_BASE (the base's tag), TORCH_VERSION, and
+# TORCH_INDEX_URL: the index the torch wheel comes from (default: the host pip's own configuration). The CUDA variant
+# for GPU servers: TORCH_INDEX_URL=https://pypi.org/simple (PyPI's Linux wheel is the CUDA build; its nvidia-*
+# libraries come from PyPI during the build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,7 +69,10 @@ fi
 # torch: the wheel this host's pip picks for torch==$TORCH_VERSION (its own configuration decides: a local CPU wheel
 # here, PyPI's CUDA build elsewhere), served over loopback with a constraints file pinning it; `--network host` lets
 # the build reach both.
-"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WORK/wheels" "torch==$TORCH_VERSION" 2>"$WORK/pip.log" \
+index=()
+[ -z "${TORCH_INDEX_URL:-}" ] || index=(--index-url "$TORCH_INDEX_URL")
+"$PY" -m pip download -q --no-deps --only-binary=:all: "${index[@]}" -d "$WORK/wheels" "torch==$TORCH_VERSION" \
+    2>"$WORK/pip.log" \
     || { cat "$WORK/pip.log"; exit 1; }
 wheel=$(basename "$(ls "$WORK"/wheels/torch-*.whl)")
 echo "torch==$(echo "$wheel" | cut -d- -f2)" >"$WORK/wheels/constraints.txt"

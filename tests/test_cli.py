@@ -153,6 +153,8 @@ def test_log_level_reaches_logging_and_hivemind(
           "--role", "full", "--stage", "1"], "--stage 1"),
         (["join", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z",
           "--memory-gb", "-2"], "--memory-gb must be a positive number"),
+        (["join", "--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z",
+          "--devices", "cpu,,cpu"], "--devices 'cpu,,cpu': name each device"),
     ],
 )  # fmt: skip
 def test_membership_commands_reject_bad_arguments_in_one_line(

@@ -1,8 +1,9 @@
 """The Docker image, built and run: a bootstrap and two `join` nodes in containers on a user-defined docker network
-train `tiny` for 2 rounds and agree.
+train `tiny` for 2 rounds and agree; and its CUDA variant for GPU servers, built on the same base.
 
 Building takes minutes, so `make test` skips it; `make docker-test` runs it (root: it may install docker.io and
-debootstrap, start dockerd, and builds the image from a debootstrap'd Debian base, as bench/docker_image.sh says).
+debootstrap, start dockerd, and builds the image from a debootstrap'd Debian base, as bench/docker_image.sh says),
+`make docker-test-cuda` the CUDA variant (a CUDA torch from PyPI: about 3 GB more to download).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
 ROOT = Path(__file__).resolve().parents[1]
 OPT_IN = "HETERO_NODE_DOCKER_TEST"
 IMAGE = "hetero-node:docker-test"
+CUDA_IMAGE = "hetero-node:docker-test-cuda"
+CUDA_TORCH_INDEX = "https://pypi.org/simple"
+"""PyPI's Linux torch wheel is the CUDA build (the host's own index may hold the CPU one)."""
 LABEL = "hetero-node-docker-test"  # on every container, volume and network the test makes; leftovers are removed
 ROUNDS = 2
 
@@ -69,21 +73,28 @@ def skip_reason() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def image() -> Iterator[str]:
-    """The image built from a local Debian base (the script installs and starts what is missing)."""
+def build_image(tag: str, **env: str) -> str:
+    """`tag` built from a local Debian base (the script installs and starts what is missing); `env`: the script's
+    settings (TORCH_INDEX_URL)."""
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
     start = time.monotonic()
     build = subprocess.run(
-        ["bash", str(ROOT / "bench" / "docker_image.sh"), IMAGE], capture_output=True, text=True, timeout=3000
-    )
+        ["bash", str(ROOT / "bench" / "docker_image.sh"), tag], capture_output=True, text=True, timeout=3000,
+        env={**os.environ, **env},
+    )  # fmt: skip
     print(build.stdout, end="")  # the script's few lines: base cached or built, torch, build time and image size
     assert build.returncode == 0, f"image build failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}"
-    print(f"docker test: image ready in {time.monotonic() - start:.0f} s")
+    print(f"docker test: image {tag} ready in {time.monotonic() - start:.0f} s")
+    return tag
+
+
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    built = build_image(IMAGE)
     remove_leftovers()
-    yield IMAGE
+    yield built
     remove_leftovers()
 
 
@@ -180,3 +191,28 @@ def test_bootstrap_and_two_joins_in_containers_agree(image: str) -> None:
     assert docker("exec", boot, "id", "-u").strip() != "0"
     assert docker("exec", boot, "stat", "-c", "%u", "/proc/1").strip() != "0"  # the hetero-node process
     assert int(docker("exec", boot, "stat", "-c", "%u", "/data/bootstrap.id").strip()) != 0
+
+
+CUDA_PROBE = """
+import torch, torch.distributed as dist
+print("cuda", torch.version.cuda, "nccl", dist.is_nccl_available(), "gpus", torch.cuda.device_count())
+"""
+
+
+def test_the_cuda_image_holds_a_cuda_torch_with_nccl_and_trains_on_all_gpus() -> None:
+    """The CUDA variant, on the project's own base: torch is a CUDA build with NCCL (what `join --devices all` needs on
+    a multi-GPU server); without a GPU here, a node in it refuses `--devices all` with its one-line error."""
+    tag = build_image(CUDA_IMAGE, TORCH_INDEX_URL=CUDA_TORCH_INDEX)
+    probe = docker("run", "--rm", "--entrypoint", "python", tag, "-c", CUDA_PROBE, timeout=300)
+    print(f"docker test: {probe.strip()}")
+    assert re.search(r"^cuda \d+\.\d+ nccl True", probe), probe
+    assert "--devices" in docker("run", "--rm", tag, "join", "--help", timeout=300)
+    if "gpus 0" in probe:
+        run = subprocess.run(
+            ["docker", "run", "--rm", tag, "join", "--peers", JOIN_PEER, "--devices", "all"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert run.returncode != 0 and "no CUDA device" in run.stderr, run.stderr[-2000:]
+
+
+JOIN_PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmXa9QgKiSJ3BsqNHqHjRUpKBTKmu8Sf1sQXUXiNqBiLRK"

@@ -215,6 +215,10 @@ def join(
         raise ConfigError(f"--stage {stage}: give a stage index ≥ 0 together with --role stage or auto")
     peers = parse_peer_multiaddrs([p for arg in node.peers for p in arg.replace(",", " ").split()])
     node = dataclasses.replace(node, peers=peers)  # checked before anything loads: a typo fails in a second
+    if node.devices:  # as early: a mistyped device list, or no GPU for `all`, fails before the swarm is joined
+        from hetero_node.client.local.devices import resolve_devices
+
+        resolve_devices(node.device, node.devices)
     configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     _lend_relay(relay)
     if quiet or not console.is_terminal:
