@@ -25,6 +25,10 @@ class BootstrapConfig:
     announce: str | None = field(
         default=None, metadata={"help": "Public IP or hostname to advertise (behind NAT or in Docker)."}
     )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Interface of the --metrics-port server: loopback unless you expose it (0.0.0.0: all)."},
+    )
     metrics_port: int | None = field(
         default=None,
         metadata={"help": "Serve the swarm dashboard at / and Prometheus /metrics on this HTTP port (0: any free)."},

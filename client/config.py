@@ -105,8 +105,12 @@ class NodeConfig:
     replica_id: int = field(default=-1, metadata={"help": "Data shard of this replica (-1: derived from peer id)."})
     checkpoint_dir: Path | None = field(default=None, metadata={"help": "Checkpoint each round here; resume from it."})
     metrics: Path | None = field(default=None, metadata={"help": "Append one JSON line per round to this file."})
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Interface of the --metrics-port server: loopback unless you expose it (0.0.0.0: all)."},
+    )
     metrics_port: int | None = field(
-        default=None, metadata={"help": "Serve Prometheus /metrics on this HTTP port of --host (0: any free port)."}
+        default=None, metadata={"help": "Serve Prometheus /metrics on this port of --metrics-host (0: any free port)."}
     )
     eval_every: int = field(default=1, metadata={"help": "Evaluate held-out loss every N rounds."})
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})

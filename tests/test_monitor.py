@@ -119,6 +119,35 @@ def test_a_fresh_node_reports_unknown_losses_as_nan_and_a_busy_port_is_a_clear_e
         server.close()
 
 
+def test_idle_connections_are_dropped_and_capped_and_the_server_keeps_answering() -> None:
+    """Idle clients held one thread each, for ever (the review's 300 connections): now each is dropped after the
+    request timeout, and past the cap a new connection is closed unanswered while the server stays up."""
+    import socket
+    import time
+
+    from hetero_node.client.config import NodeConfig
+
+    assert NodeConfig().metrics_host == "127.0.0.1"  # loopback unless the operator exposes it
+    metrics = NodeMetrics("ab" * 8, "0.1.0")
+    server = MonitorServer("127.0.0.1", 0, metrics.registry, request_timeout_s=1.0, max_connections=2)
+    host, port = server.httpd.server_address[:2]
+    try:
+        idle = [socket.create_connection((host, port)) for _ in range(2)]
+        time.sleep(0.3)  # both are being served (and say nothing)
+        extra = socket.create_connection((host, port))
+        extra.settimeout(5)
+        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b"", "a connection past the cap was answered"
+        for sock in idle:  # dropped by the server after the timeout: the peer sees the end of the stream
+            sock.settimeout(5)
+            assert sock.recv(100) == b""
+        assert "hetero_node_tokens_total" in get(server.url + "metrics")  # slots freed: served again
+    finally:
+        for sock in [*idle, extra]:
+            sock.close()
+        server.close()
+
+
 def test_healthz_follows_the_daemon_and_readyz_waits_for_a_role_and_a_round() -> None:
     metrics = NodeMetrics("ab" * 8, "0.1.0")
     daemon = {"alive": True}

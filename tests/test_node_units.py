@@ -40,6 +40,28 @@ def run_requirements(run: RunConfig) -> Requirements:
 PEER = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWHa9cH8vUkHcsdSAKZc1bBnvPwoiTVCjz79SDJhGCe3Ty"
 
 
+@pytest.mark.parametrize(("exponent", "bits"), [(3, 2048), (65537, 1024)])
+def test_a_non_standard_rsa_key_owns_no_record_and_is_no_identity(tmp_path: Path, exponent: int, bits: int) -> None:
+    """Ids from grinding the exponent of one modulus (or from short keys) cost no key generation each: refused."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    odd = RSAPrivateKey.__new__(RSAPrivateKey)
+    odd._private_key = rsa.generate_private_key(public_exponent=exponent, key_size=bits)
+    assert owner_peer_id(RSASignatureValidator(odd).local_public_key) is None
+    der = odd._private_key.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    path = tmp_path / "odd.id"
+    path.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString())
+    with pytest.raises(ConfigError, match="exponent 65537 and at least 2048 bits"):
+        load_identity(path)
+    standard = RSASignatureValidator(RSAPrivateKey()).local_public_key  # what hivemind generates
+    assert owner_peer_id(standard) is not None
+
+
 def test_a_record_counts_only_when_signed_by_the_key_of_the_peer_id_it_claims(tmp_path: Path) -> None:
     paths = [tmp_path / "a.id", tmp_path / "b.id"]
     for path in paths:

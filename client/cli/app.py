@@ -177,7 +177,7 @@ def bootstrap(
     health = Health(partial(p2pd_alive, node.dht), readiness)
     records = partial(read_peer_records, node.dht, run.run_id, node.swarm_key, 5.0)
     read = partial(read_snapshot, records, run.run_id, run.to_dict())
-    with open_dashboard(cfg.host, cfg.metrics_port, read, health) as web:
+    with open_dashboard(cfg.metrics_host, cfg.metrics_port, read, health) as web:
         console.print(f"dashboard: {web.url}  metrics: {web.url}metrics", markup=False, highlight=False)
         node.serve_forever()
 

@@ -3,7 +3,9 @@ and `/readyz` for supervisors where the node says how to answer them (`health.py
 swarm, `/` (the dashboard page) and `/api/swarm` (the JSON it polls).
 
 Standard library only (`ThreadingHTTPServer` in a daemon thread): nothing here is on the training path, and a
-slow or hostile client costs one thread, never a round. Everything served is read-only.
+slow or hostile client costs one thread for at most `REQUEST_TIMEOUT_S`, never a round; past `MAX_CONNECTIONS` at
+once, a new connection is closed unanswered. Everything served is read-only, on loopback unless the operator says
+otherwise (`--metrics-host`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,33 @@ logger = logging.getLogger(__name__)
 Route = Callable[[], tuple[HTTPStatus, str, bytes]]
 """(status, content type, body) of a GET."""
 TEXT = "text/plain; charset=utf-8"
+REQUEST_TIMEOUT_S = 10.0
+"""A connection that sends no complete request for this long is closed (300 idle ones once held 300 threads)."""
+MAX_CONNECTIONS = 32
+"""Connections served at once; Prometheus, a supervisor and a few dashboards need a handful."""
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` of them: one more is closed at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            logger.debug("monitor: %d connections open; closing one from %s", MAX_CONNECTIONS, client_address[0])
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def dashboard_page() -> bytes:
@@ -58,6 +87,8 @@ class MonitorServer:
         registry: CollectorRegistry,
         watcher: SwarmWatcher | None = None,
         health: Health | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         routes: dict[str, Route] = {"/metrics": lambda: (HTTPStatus.OK, CONTENT_TYPE_LATEST, generate_latest(registry))}
         if health is not None:
@@ -68,10 +99,9 @@ class MonitorServer:
             routes["/"] = lambda: (HTTPStatus.OK, "text/html; charset=utf-8", page)
             routes["/api/swarm"] = lambda: (HTTPStatus.OK, "application/json", json.dumps(watcher.state()).encode())
         try:
-            self.httpd = ThreadingHTTPServer((host, port), _handler(routes))
+            self.httpd = BoundedHTTPServer((host, port), _handler(routes, request_timeout_s), max_connections)
         except OSError as e:
             raise ConfigError(f"could not serve metrics on {host}:{port}: {e}") from None
-        self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="monitor-http", daemon=True)
         self.thread.start()
 
@@ -104,8 +134,10 @@ def open_dashboard(
         watcher.close()
 
 
-def _handler(routes: dict[str, Route]) -> type[BaseHTTPRequestHandler]:
+def _handler(routes: dict[str, Route], request_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = request_timeout_s  # on the socket: a silent client is dropped, its thread freed
+
         def do_GET(self) -> None:
             route = routes.get(self.path.split("?", 1)[0])
             if route is None:

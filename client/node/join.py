@@ -120,7 +120,7 @@ def serve_node_metrics(
     metrics = NodeMetrics(run.run_id, version("hetero-node"))
     metrics.watch_peers(lambda: runtime.peers_seen)
     server = MonitorServer(
-        node.host, node.metrics_port, metrics.registry, health=Health(runtime.p2pd_alive, metrics.readiness)
+        node.metrics_host, node.metrics_port, metrics.registry, health=Health(runtime.p2pd_alive, metrics.readiness)
     )
     stack.callback(server.close)
     logger.info("Prometheus metrics at %smetrics", server.url)
