@@ -30,7 +30,7 @@ say() { echo "docker_image: $*"; }
 [ "$(id -u)" = 0 ] || { say "needs root (dockerd, debootstrap)"; exit 2; }
 
 missing=()
-command -v docker >/dev/null || missing+=(docker.io)
+command -v dockerd >/dev/null || missing+=(docker.io)  # a docker client alone starts no daemon
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ]; then
     say "installing ${missing[*]}"

@@ -12,7 +12,8 @@ that trained three times the tokens may send a pseudo-gradient three times as la
 work), but no one peer can push more per token than the median peer does. With equal weights this is exactly the
 reference code's rule (clip to the median norm, then the plain mean over selectors).
 
-Weights are normalised to w_r / max_s w_s (float64), so the rule does not depend on the unit (tokens or steps).
+Weights are capped at `MEAN_WEIGHT_CAP` × their lower median (a token count is a claim), then normalised to
+w_r / max_s w_s (float64), so the rule does not depend on the unit (tokens or steps).
 Malformed or non-finite contributions, and non-positive weights, are dropped, not fatal.
 
 This rule trusts every member to be honest but possibly broken: it bounds a message's whole norm, not where the norm
@@ -153,8 +154,7 @@ def aggregate(
     used, dropped = _checked(contributions, shapes, weights, names)
     if robust:
         return _robust(contributions, shapes, weights, used, dropped, torch.device(device))
-    heaviest = max((weights[i] for i in used), default=1.0)
-    relative = [weights[i] / heaviest for i in used]
+    relative = _capped_relative([weights[i] for i in used], MEAN_WEIGHT_CAP)
     clip_factors = _per_token_clip([contribution_norm(contributions[i]) for i in used], relative)
 
     sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32, device=device) for s in shapes]
@@ -174,6 +174,18 @@ def aggregate(
     return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)
 
 
+def _capped_relative(weights: list[float], cap: float) -> list[float]:
+    """Each weight at most `cap` × the lower median (a token count is a claim), then divided by the largest."""
+    median = lower_median(weights) if weights else 1.0
+    capped = [min(w, cap * median) for w in weights]
+    heaviest = max(capped, default=1.0)
+    return [w / heaviest for w in capped]
+
+
+MEAN_WEIGHT_CAP = 4.0
+"""Under the mean rule a contribution counts at most this many times the lower-median weight: an honest replica
+four times as fast as the median one keeps its full weight, and a member claiming 2⁴⁰ tokens (which took `tiny` to
+an eval loss of 3·10⁷ in one round) counts as four median members, no more."""
 ROBUST_WEIGHT_CAP = 1.0
 """Under the robust rule a contribution counts at most this many times the lower-median weight: a token count is
 a claim. `hetero-node-lab byzantine` measured 1.0, 1.5 and 2.0 against a sign-flipper claiming 1000× the tokens (+0.5%,
@@ -199,10 +211,7 @@ def _robust(
       not by its full value. Honest selections overlap only in part, so honest steps are smaller too: the price
       of the rule, measured by `hetero-node-lab byzantine`.
     """
-    median = lower_median([weights[i] for i in used]) if used else 1.0
-    capped = [min(weights[i], ROBUST_WEIGHT_CAP * median) for i in used]
-    heaviest = max(capped, default=1.0)
-    relative = [w / heaviest for w in capped]
+    relative = _capped_relative([weights[i] for i in used], ROBUST_WEIGHT_CAP)
     total_weight = torch.tensor(math.fsum(relative) if relative else 1.0, dtype=torch.float32, device=device)
     clip_factors = [1.0] * len(used)
     tensors = []

@@ -167,13 +167,14 @@ def test_robust_rule_bounds_a_value_that_only_the_attacker_selected() -> None:
     assert mean.tensors[0][[0, 1, 4, 5]].tolist() == pytest.approx([1.5, 1.5, -1.0, -1.0])
 
 
-def test_robust_rule_counts_a_claimed_token_count_at_most_as_the_median() -> None:
+def test_robust_rule_counts_a_claimed_token_count_at_most_as_the_median_and_the_mean_rule_as_four() -> None:
     flipped = _vector_message([0, 1, 0, 1], [0, 2, 3, 1], (-4.0, 0.0, 1.0, 2.0))  # −(first honest message)
     robust = aggregate([*_honest_pair(), flipped], [(8,)], weights=[1.0, 1.0, 1000.0], robust=True)
     assert robust.weights == [1.0, 1.0, 1.0]
     mean = aggregate([*_honest_pair(), flipped], [(8,)], weights=[1.0, 1.0, 1000.0])
-    # the mean rule lets the heavy liar decide position 0 (≈ its −4); capped, it is one vote of three
-    assert mean.tensors[0][0].item() == pytest.approx(-4.0, abs=0.02)
+    # the mean rule counts the claim as 4 median members (it once let the liar decide position 0, ≈ its −4)
+    assert mean.weights == [0.25, 0.25, 1.0]
+    assert mean.tensors[0][0].item() == pytest.approx((4 * 0.25 - 1 * 0.25 - 4) / 1.5, rel=1e-6)
     assert robust.tensors[0][0].item() == pytest.approx((4 - 1 - 4) / 3, rel=1e-6)
 
 

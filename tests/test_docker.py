@@ -67,7 +67,7 @@ def skip_reason() -> str | None:
         return f"builds a docker image (minutes): run `make docker-test` (it sets {OPT_IN}=1)"
     if os.geteuid() != 0:
         return "needs root: dockerd, debootstrap and installing them"
-    for tool, package in (("docker", "docker.io"), ("debootstrap", "debootstrap")):
+    for tool, package in (("dockerd", "docker.io"), ("debootstrap", "debootstrap")):
         if shutil.which(tool) is None and shutil.which("apt-get") is None:
             return f"no {tool}, and no apt-get to install {package}"
     return None

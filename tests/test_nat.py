@@ -23,6 +23,7 @@ from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 from hetero_node.bootstrap.config import RelayConfig
 from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.swarm.runtime import (
+    MIN_PIECE_BYTES,
     RELAYED_PIECE_BYTES,
     STATE_REQUESTS_PER_MINUTE,
     PartialBlob,
@@ -265,6 +266,7 @@ def test_a_blob_resumes_at_an_offset_in_small_pieces_and_a_blob_that_changes_mea
             assert [len(p) for p in rest] == [RELAYED_PIECE_BYTES, 62_400 - RELAYED_PIECE_BYTES]
             assert b"".join(rest) == blob[40_000:]
             assert [len(p) for p in await pieces(0, 0)] == [len(blob)]  # a direct peer: the default pieces
+            assert [len(p) for p in await pieces(0, 1)][:2] == [MIN_PIECE_BYTES] * 2  # 1-byte pieces: refused as such
             with pytest.raises(ValueError, match="past the"):
                 await pieces(len(blob) + 1, 0)
             server.publish("state", 0, 1, blob)  # whole states are budgeted per peer; a resumed one pays its share

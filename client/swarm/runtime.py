@@ -50,6 +50,8 @@ BLOB_PIECE_BYTES = 1 << 20
 """Stream pieces stay far below libp2p's 4 MiB message cap (ARCHITECTURE.md, hivemind pitfall A)."""
 RELAYED_PIECE_BYTES = 32 << 10
 """Pieces from a peer behind a circuit relay: several fit in the 128 KiB a relayed connection carries."""
+MIN_PIECE_BYTES = 16 << 10
+"""The smallest piece a fetcher may ask for: 1-byte pieces made a 256 KiB blob 262,144 messages (18× its bytes)."""
 MAX_RELAYED_STALLS = 3
 """Fresh circuits in a row that may bring no byte of a blob before its fetch fails."""
 KEPT_ROUNDS = 4
@@ -326,7 +328,8 @@ class PeerRuntime:
             resumed_share = (len(data) - request.offset) / max(len(data), 1)  # a resumed transfer pays what is left
             if request.kind in LATEST_KINDS and not self._state_budget.take(peer, resumed_share):
                 raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
-            step = min(request.piece_bytes or BLOB_PIECE_BYTES, BLOB_PIECE_BYTES)
+            step = min(max(request.piece_bytes, MIN_PIECE_BYTES) if request.piece_bytes else BLOB_PIECE_BYTES,
+                       BLOB_PIECE_BYTES)  # fmt: skip
             for start in range(request.offset, max(len(data), request.offset + 1), step):
                 piece = wire.BlobChunk(data=data[start : start + step], total_size=len(data), round=round_)
                 self.bytes_served_total += piece.ByteSize()
