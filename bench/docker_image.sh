@@ -69,10 +69,12 @@ fi
 # torch: the wheel this host's pip picks for torch==$TORCH_VERSION (its own configuration decides: a local CPU wheel
 # here, PyPI's CUDA build elsewhere), served over loopback with a constraints file pinning it; `--network host` lets
 # the build reach both.
+# With TORCH_INDEX_URL, that index alone: the host's pip configuration (find-links, extra indexes) is set aside.
+pip_env=()
 index=()
-[ -z "${TORCH_INDEX_URL:-}" ] || index=(--index-url "$TORCH_INDEX_URL")
-"$PY" -m pip download -q --no-deps --only-binary=:all: "${index[@]}" -d "$WORK/wheels" "torch==$TORCH_VERSION" \
-    2>"$WORK/pip.log" \
+[ -z "${TORCH_INDEX_URL:-}" ] || { pip_env=(-u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null); index=(--index-url "$TORCH_INDEX_URL"); }
+env "${pip_env[@]}" "$PY" -m pip download -q --no-deps --only-binary=:all: "${index[@]}" -d "$WORK/wheels" \
+    "torch==$TORCH_VERSION" 2>"$WORK/pip.log" \
     || { cat "$WORK/pip.log"; exit 1; }
 wheel=$(basename "$(ls "$WORK"/wheels/torch-*.whl)")
 echo "torch==$(echo "$wheel" | cut -d- -f2)" >"$WORK/wheels/constraints.txt"

@@ -13,6 +13,6 @@ def record_fields(peer_id: str, /, **changes: Any) -> dict[str, Any]:
         "tokens_per_s": 100.0, "role": "joining", "requested_role": "auto", "pinned_stage": -1, "stage": -1, "vr": -1,
         "claimed_at": 0.0, "round": 0, "certified": 0, "train_round": -1, "deadline": 0.0, "step_s": 0.0,
         "overhead_s": 0.0, "loss": None, "fingerprints": {}, "view": "", "last_round": None, "refresh_s": 2.0,
-        "member_proof": "",
+        "written_at": 0.0, "member_proof": "",
     }  # fmt: skip
     return {**record, **changes}

@@ -110,6 +110,9 @@ class PeerRecord(pydantic.BaseModel):
     member_proof: constr(strict=True, regex=PROOF_PATTERN)  # type: ignore[valid-type]
     """A private swarm's proof that this peer holds the swarm key (`protocol/swarm_key.py`); "" in a public one."""
     refresh_s: confloat(strict=True, gt=0, le=3600)  # type: ignore[valid-type]
+    written_at: confloat(strict=True, ge=0, le=1e11)  # type: ignore[valid-type]
+    """DHT time its writer stored it, set at every refresh and signed with the rest: a reader counts the record live
+    for 3 × `refresh_s` after it (at most 10 minutes), whatever expiration the writer asked the DHT for."""
 
     @pydantic.validator("fingerprints")
     def _few_shards(cls, value: dict[str, str]) -> dict[str, str]:

@@ -72,13 +72,19 @@ def test_a_record_counts_only_when_signed_by_the_key_of_the_peer_id_it_claims(tm
     assert owner_peer_id(b"[owner:ssh-rsa AAAA]") is None and owner_peer_id("[owner:x]") is None
 
     now = 1000.0
-    forged = record_fields(id_a, role="full", memory_gb=999.0)
-    records = latest_valid_records({sub_a: (record_fields(id_a), now + 10), sub_b: (forged, now + 1e9)}, now)
+    forged = record_fields(id_a, role="full", memory_gb=999.0, written_at=now)
+    fresh = record_fields(id_a, written_at=now - 1.0, refresh_s=5.0)
+    records = latest_valid_records({sub_a: (fresh, now + 10), sub_b: (forged, now + 1e9)}, now)
     assert set(records) == {id_a} and records[id_a][0].role == "joining" and records[id_a][1] == now + 10
-    far = latest_valid_records({sub_a: (record_fields(id_a), now + 1e9)}, now)
-    assert far[id_a][1] == now + MAX_RECORD_LIFETIME_S  # a writer cannot stay in the view for ever
+    far = latest_valid_records({sub_a: (fresh, now + 1e9)}, now)
+    assert far[id_a][1] == now - 1.0 + 3 * 5.0  # its writer's far expiration does not count: 3 refreshes do
+    for written_at in (now - 3 * 5.0 - 1, now - MAX_RECORD_LIFETIME_S - 1, now + MAX_RECORD_LIFETIME_S + 1):
+        stale = record_fields(id_a, written_at=written_at, refresh_s=5.0)  # stored once long ago, or dated ahead
+        assert latest_valid_records({sub_a: (stale, now + 1e9)}, now) == {}
+    slow = record_fields(id_a, written_at=now - 500.0, refresh_s=3600.0)  # a huge refresh is capped at 10 min
+    assert latest_valid_records({sub_a: (slow, now + 1e9)}, now)[id_a][1] == now - 500.0 + MAX_RECORD_LIFETIME_S
     id_b = PeerID.from_identity(paths[1].read_bytes()).to_base58()
-    both = {sub_a: (record_fields(id_a), now + 10), sub_b: (record_fields(id_b), now + 10)}
+    both = {sub_a: (fresh, now + 10), sub_b: (record_fields(id_b, written_at=now), now + 10)}
     assert set(latest_valid_records(both, now)) == {id_a, id_b}
     assert set(latest_valid_records(both, now, limit=1)) == {min(id_a, id_b)}  # a flood is cut, the same for all
 

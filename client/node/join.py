@@ -87,6 +87,7 @@ def _initial_record(
         view="",
         last_round=None,
         refresh_s=float(node.record_refresh_s),
+        written_at=0.0,  # set when stored
         member_proof=member_proof(runtime.swarm_key, str(runtime.peer_id)),
     )
 

@@ -18,8 +18,9 @@ MAX_RECORDS = 4096
 """Records of one run a reader takes into account (hivemind answers a DHT get with at most 4 MiB; a record is
 well under 1 KB)."""
 MAX_RECORD_LIFETIME_S = 600.0
-"""A record counts as live for at most this long past now, whatever expiration its writer chose (records are
-refreshed every few seconds; a far expiration would keep a dead or hostile peer in everyone's view)."""
+"""A record counts as live for at most this long after the time it says it was written (`written_at`), whatever
+expiration its writer chose: records are refreshed every few seconds, and a far expiration kept a record stored
+once in everyone's view for good (the cap was once applied relative to each read)."""
 
 
 def latest_valid_records(
@@ -36,7 +37,10 @@ def latest_valid_records(
             continue
         if not is_member(swarm_key, record.peer_id, record.member_proof):
             continue
-        best[record.peer_id] = (record, min(expiration, now + MAX_RECORD_LIFETIME_S))
+        live_until = min(expiration, record.written_at + min(3 * record.refresh_s, MAX_RECORD_LIFETIME_S))
+        if live_until <= now or record.written_at > now + MAX_RECORD_LIFETIME_S:  # stale, or dated far ahead
+            continue
+        best[record.peer_id] = (record, live_until)
     if len(best) > limit:
         logger.warning("%d peer records in the run; reading the first %d by peer id", len(best), limit)
         best = {pid: best[pid] for pid in sorted(best)[:limit]}

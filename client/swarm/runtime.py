@@ -418,7 +418,7 @@ class PeerRuntime:
             self.dht.store(
                 peers_key(self.run_id),
                 subkey=self.signer.local_public_key,
-                value=record.dict(),
+                value={**record.dict(), "written_at": get_dht_time()},  # signed with the rest: readers age it
                 expiration_time=get_dht_time() + 3 * refresh_s,
                 return_future=True,  # a lost store is repaired by the next refresh (hivemind may report False)
             )
