@@ -116,5 +116,9 @@ def test_wheel_ships_proto_sources_and_console_script(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     protos = sorted(p.name for p in (ROOT / "protocol").glob("*.proto"))
     assert protos and all(f"hetero_node/protocol/{p}" in names for p in protos)
+    inits = [init for folder in PACKAGE_DIRS for init in (ROOT / folder).rglob("__init__.py")]
+    packages = [init.parent.relative_to(ROOT) for init in inits]
+    missing = [str(p) for p in packages if f"hetero_node/{p}/__init__.py" not in names and "_generated" not in p.parts]
+    assert not missing, f"packages the wheel leaves out (pyproject.toml's list): {missing}"  # client/local once was
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "hetero-node = hetero_node.client.cli.app:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
