@@ -31,8 +31,6 @@ from hetero_node.models.replica_model import full_model
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.protocol.run_config import RunConfig
 
-logger = logging.getLogger(__name__)
-
 IDLE_TIMEOUT = timedelta(days=7)
 """A rank waits for rank 0's next command as long as the node runs (catch-ups, waits for peers): it ends when rank 0
 does (parent-death signal, or the collective failing), never on a timer."""
