@@ -1,4 +1,5 @@
-"""Catching up from a round's messages over real peers: a lone lying donor's manifest is outvoted, not trusted."""
+"""Catching up from a round's messages over real peers: a lone lying donor's manifest is outvoted, not trusted, and a
+lone manifest among silent donors counts only if the records vouch for its result."""
 
 from __future__ import annotations
 
@@ -49,4 +50,13 @@ def test_a_late_member_rebuilds_the_result_two_donors_state_not_a_lone_liars() -
 
         assert rebuild(liar, honest1, honest2) == honest  # the liar asked first, outvoted
         assert rebuild(liar, honest1) is None  # one against one: neither is taken (the node loads state instead)
-        assert rebuild(honest2) == honest  # a lone donor is taken on its word
+        assert rebuild(honest2) == honest  # the only donor there is: taken on its word
+        silent = str(late.peer_id)  # asked too, serves no manifest of this round
+
+        def rebuild_among_silent(donor: PeerRuntime, vouched: str | None) -> str | None:
+            got = catch_up_shard(sync, ROUND, START, fingerprint(START), [str(donor.peer_id), silent], 10.0, vouched)
+            return None if got is None else fingerprint(got.tensors)
+
+        assert rebuild_among_silent(liar, None) is None  # a lone manifest while other donors exist: not believed
+        assert rebuild_among_silent(liar, honest) is None  # nor against the records' majority
+        assert rebuild_among_silent(honest1, honest) == honest  # the records vouch for it

@@ -5,7 +5,9 @@ fingerprint and the result's fingerprint) and re-serves the messages it aggregat
 manifests of up to `CORROBORATING_DONORS` such peers and keeps the result two of them state (every member of a group
 states the same one; a lone liar cannot name another), then fetches the messages from one donor that states it,
 checks every digest, combines them with the run's outer method exactly as the group did, and accepts the result
-only if its fingerprint is that one. A round only one donor answers for is taken on that donor's word (logged).
+only if its fingerprint is that one. Donors are asked in random order (`catch_up_driver`). A round only one donor
+answers for is taken on that donor's word only when it was the only donor there, or when most records at round t+1
+advertise the result it states; otherwise the member loads a vouched state instead.
 That costs the round's messages (min(R, K) × 0.0273·N bytes for SparseLoCo, K = `--max-contributors`) instead of the
 shard's whole state (4·N bytes).
 """
@@ -45,16 +47,23 @@ CORROBORATING_DONORS = 3
 
 
 def catch_up_shard(
-    sync: ShardSync, round_: int, start: list[Tensor], start_fp: str, donors: list[str], timeout_s: float
+    sync: ShardSync,
+    round_: int,
+    start: list[Tensor],
+    start_fp: str,
+    donors: list[str],
+    timeout_s: float,
+    vouched: str | None = None,
 ) -> CaughtUp | None:
     """θ(t+1) of `sync`'s shard from the manifest and messages of `round_`, served by the first of `donors` (peer
     ids, best first) whose manifest states the corroborated result and whose messages rebuild it; None when none
-    does."""
+    does. `vouched`: the θ(t+1) fingerprint most peers at round t+1 advertise, if any (what makes a lone manifest
+    believable while other donors exist)."""
     from hivemind.p2p import PeerID
 
     runtime, method = sync.runtime, sync.method
     manifests = _manifests(sync, round_, start_fp, donors, timeout_s)
-    result_fp = _corroborated(manifests)
+    result_fp = _corroborated(manifests, alone=len(donors) == 1, vouched=vouched)
     if not manifests:
         return None
     if result_fp is None:
@@ -132,11 +141,18 @@ def fetch_manifest(sync: ShardSync, round_: int, donor: str, timeout_s: float) -
         return None
 
 
-def _corroborated(manifests: dict[str, tuple[dict, int]]) -> str | None:
-    """The result fingerprint two manifests state (the most stated one); a lone manifest's own; else None."""
+def _corroborated(manifests: dict[str, tuple[dict, int]], alone: bool, vouched: str | None) -> str | None:
+    """The result fingerprint two manifests state (the most stated one); a lone manifest's own only when its donor
+    was the only one (`alone`) or the records vouch for it; else None (the caller loads a vouched state instead:
+    a lone manifest among silent donors was the review's poisoned catch-up)."""
     counts = Counter(manifest["result_fp"] for manifest, _ in manifests.values())
     if len(manifests) == 1:
-        return next(iter(counts))
+        (stated,) = counts
+        if alone or stated == vouched:
+            return stated
+        logger.warning("only one of the donors asked serves a manifest; its result %s is not what most records "
+                       "at the next round vouch for (%s): not believed", stated, vouched or "no majority")  # fmt: skip
+        return None
     best = counts.most_common(2)
     if not best or best[0][1] < 2 or (len(best) == 2 and best[1][1] == best[0][1]):
         return None

@@ -11,6 +11,7 @@ loop does (`Replica.apply`, `Replica.record_round`).
 from __future__ import annotations
 
 import logging
+import random
 
 from hetero_node.client.outer.catch_up import CaughtUp, catch_up_shard
 from hetero_node.client.roles.round_record import InFlight, Settled
@@ -103,10 +104,17 @@ class CatchingUp:
         rebuilt = {}
         for shard in shards:  # a round's messages are served by whoever held the shard: stage peers too
             holders = view.shard_donors(records, shard)
-            order = [pid for _, pid in sorted((r.round, pid) for pid, r in holders.items() if r.certified > round_)]
-            order = [pid for pid in order if pid != self.me]
+            order = [pid for pid, r in holders.items() if r.certified > round_ and pid != self.me]
+            random.shuffle(order)  # never an order a peer can choose (ids can be ground low)
+            vouched = view.vouched_fingerprint(records, round_ + 1, str(shard), self.me)
             got = catch_up_shard(
-                self.syncs[shard], round_, self.start[shard], fps[str(shard)], order, self.timeouts.fetch_timeout_s
+                self.syncs[shard],
+                round_,
+                self.start[shard],
+                fps[str(shard)],
+                order,
+                self.timeouts.fetch_timeout_s,
+                vouched,
             )
             if got is None:
                 return None
