@@ -32,19 +32,22 @@ def _run(cfg: LocalRanksConfig) -> RunConfig:
     )  # fmt: skip
 
 
-def _batches(cfg: LocalRanksConfig, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def random_batches(
+    count: int, seed: int, batch_size: int = 8, seq_len: int = 64
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` (inputs, targets) batches of random byte-level tokens, the same for a seed."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, 256, (cfg.batch_size, cfg.seq_len + 1), generator=generator) for _ in range(count)]
+    tokens = [torch.randint(0, 256, (batch_size, seq_len + 1), generator=generator) for _ in range(count)]
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
 def _timed(step: Any, cfg: LocalRanksConfig, world: int, sync: Any) -> float:
     """Seconds of `cfg.steps` steps after an untimed one (waiting for the device at both ends)."""
-    step(_batches(cfg, world, seed=0))
+    step(random_batches(world, 0, cfg.batch_size, cfg.seq_len))
     sync()
     started = time.perf_counter()
     for i in range(cfg.steps):
-        step(_batches(cfg, world, seed=1 + i))
+        step(random_batches(world, 1 + i, cfg.batch_size, cfg.seq_len))
     sync()
     return time.perf_counter() - started
 

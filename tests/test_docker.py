@@ -193,6 +193,8 @@ def test_bootstrap_and_two_joins_in_containers_agree(image: str) -> None:
     assert int(docker("exec", boot, "stat", "-c", "%u", "/data/bootstrap.id").strip()) != 0
 
 
+JOIN_PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmXa9QgKiSJ3BsqNHqHjRUpKBTKmu8Sf1sQXUXiNqBiLRK"
+"""A well-formed join line nobody answers: the CUDA image refuses `--devices all` before dialing it."""
 CUDA_PROBE = """
 import torch, torch.distributed as dist
 print("cuda", torch.version.cuda, "nccl", dist.is_nccl_available(), "gpus", torch.cuda.device_count())
@@ -213,6 +215,3 @@ def test_the_cuda_image_holds_a_cuda_torch_with_nccl_and_trains_on_all_gpus() ->
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert run.returncode != 0 and "no CUDA device" in run.stderr, run.stderr[-2000:]
-
-
-JOIN_PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmXa9QgKiSJ3BsqNHqHjRUpKBTKmu8Sf1sQXUXiNqBiLRK"

@@ -19,6 +19,7 @@ import torch
 from factories import run_config
 from swarm_helpers import assert_all_exit_cleanly, join_args, rounds_of, run_args, wait_for_round
 
+from hetero_node.bench.local_ranks import random_batches
 from hetero_node.client.cli.local_swarm import LocalSwarm
 from hetero_node.client.local.collective import mean_gradients
 from hetero_node.client.local.devices import resolve_devices
@@ -29,12 +30,6 @@ from hetero_node.models.trainer import InnerTrainer
 from hetero_node.protocol.errors import ConfigError
 
 CPU = torch.device("cpu")
-
-
-def batches(count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = [torch.randint(0, 256, (8, 65), generator=generator) for _ in range(count)]
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
 def trainer_state(trainer: InnerTrainer) -> str:
@@ -92,7 +87,7 @@ def test_two_ranks_take_the_step_one_process_takes_on_all_their_batches(
     try:
         group.sync(model, trainer.optimizer)
         for step in range(3):
-            data = batches(4, seed=step)  # 2 per rank
+            data = random_batches(4, seed=step)  # 2 per rank
             reference.step = trainer.step = step
             expected = reference.train_accumulated(data)
             got = group.step(trainer, data)
@@ -112,7 +107,7 @@ def test_a_resumed_rank_0_hands_its_state_to_the_other_ranks() -> None:
     run = run_config()
     source, _ = full_model(run, CPU)
     source_trainer = InnerTrainer(source, run.optim, run.total_inner_steps, CPU)
-    source_trainer.train_accumulated(batches(2, seed=7))  # moments exist now
+    source_trainer.train_accumulated(random_batches(2, seed=7))  # moments exist now
     model, _ = full_model(run, CPU)
     trainer = InnerTrainer(model, run.optim, run.total_inner_steps, CPU, gradient_hook=mean_gradients)
     model.load_state_dict(source.state_dict())
@@ -120,7 +115,7 @@ def test_a_resumed_rank_0_hands_its_state_to_the_other_ranks() -> None:
     group = LocalGroup(run, [CPU, CPU], compile=False)
     try:
         group.sync(model, trainer.optimizer)
-        data = batches(2, seed=8)
+        data = random_batches(2, seed=8)
         source_trainer.step = trainer.step = 1
         source_trainer.train_accumulated(data)
         group.step(trainer, data)

@@ -24,15 +24,12 @@ def resolve_devices(device: str, devices: str) -> list[torch.device]:
     resolved = [resolve_device(name) for name in names]
     resolved = [torch.device("cuda", torch.cuda.current_device()) if d == torch.device("cuda") else d for d in resolved]
     if len({d.type for d in resolved}) > 1:
-        raise ConfigError(
-            f"--devices {devices!r}: all ranks of a node train on one kind of device (all CUDA or all CPU)"
-        )
+        raise ConfigError(f"--devices {devices!r}: a node's ranks are all CUDA devices or all CPU")
     cuda = [d for d in resolved if d.type == "cuda"]
     if len(set(cuda)) < len(cuda):
         raise ConfigError(f"--devices {devices!r}: a GPU can hold one rank (NCCL refuses two ranks on one device)")
+    count = torch.cuda.device_count()
     for d in cuda:
-        if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"--devices {devices!r}: {d} does not exist (this machine has {torch.cuda.device_count()})"
-            )
+        if d.index is not None and d.index >= count:
+            raise ConfigError(f"--devices {devices!r}: {d} does not exist (this machine has {count} GPUs)")
     return resolved

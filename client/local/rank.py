@@ -73,7 +73,8 @@ def serve(rank: int, device: torch.device, spec: dict[str, Any]) -> None:
                 share_state(model, trainer.optimizer, device)
             elif command == STEP:
                 trainer.step = step
-                mean_loss(trainer.train_accumulated(share_batches(None, per_rank, shape, device)))
+                loss = trainer.train_accumulated(share_batches(None, per_rank, shape, device))
+                mean_loss(loss)  # our part of the collective; rank 0 reports the mean
     finally:
         dist.destroy_process_group()
 

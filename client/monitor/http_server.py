@@ -45,11 +45,12 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
         super().__init__(address, handler)
+        self.max_connections = max_connections
         self.slots = threading.BoundedSemaphore(max_connections)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
-            logger.debug("monitor: %d connections open; closing one from %s", MAX_CONNECTIONS, client_address[0])
+            logger.debug("monitor: %d connections open; closing one from %s", self.max_connections, client_address[0])
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)

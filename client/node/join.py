@@ -14,6 +14,8 @@ from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
+import torch
+
 from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.local.devices import resolve_devices
 from hetero_node.client.monitor.health import Health
@@ -45,10 +47,11 @@ its own record (and pipeline slot) is not mistaken for another peer's that still
 
 
 def _initial_record(
-    runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int
-) -> PeerRecord:
-    """Measure this node and describe it as a PeerRecord (role still "joining")."""
-    devices = resolve_devices(node.device, node.devices)
+    runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int,
+    devices: list[torch.device],
+) -> PeerRecord:  # fmt: skip
+    """Measure this node (on `devices`, its local ranks' devices) and describe it as a PeerRecord (role still
+    "joining")."""
     hardware = probe_hardware(devices[0], node.memory_gb)  # each local rank holds the whole model
     bandwidth = node_bandwidth(
         runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
@@ -163,7 +166,8 @@ def run_node(
         else:
             logger.warning("no peer in --peers announces a run; using this node's own run options")
             run, store = prepare_run(*configs.values())
-        requested_role = role_for_run(run, requested_role, len(resolve_devices(node.device, node.devices)))
+        devices = resolve_devices(node.device, node.devices)
+        requested_role = role_for_run(run, requested_role, len(devices))
         runtime.join_run(run.run_id)
         metrics = serve_node_metrics(stack, node, run, runtime)
         if metrics is not None:
@@ -171,7 +175,7 @@ def run_node(
         on_status(f"run {run.run_id}: measuring this node")
         shape = RunShape.from_run(run)
         req = requirements(shape)
-        record = _initial_record(runtime, run, req, node, requested_role, pinned_stage)
+        record = _initial_record(runtime, run, req, node, requested_role, pinned_stage, devices)
         membership = Membership(runtime, req, record, node.record_refresh_s, node.settle_s, stop, MarginalGain(shape))
         on_status(f"run {run.run_id}: choosing a role")
         if membership.settle() is None:

@@ -328,8 +328,8 @@ class PeerRuntime:
             resumed_share = (len(data) - request.offset) / max(len(data), 1)  # a resumed transfer pays what is left
             if request.kind in LATEST_KINDS and not self._state_budget.take(peer, resumed_share):
                 raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
-            step = min(max(request.piece_bytes, MIN_PIECE_BYTES) if request.piece_bytes else BLOB_PIECE_BYTES,
-                       BLOB_PIECE_BYTES)  # fmt: skip
+            asked = max(request.piece_bytes, MIN_PIECE_BYTES) if request.piece_bytes else BLOB_PIECE_BYTES
+            step = min(asked, BLOB_PIECE_BYTES)
             for start in range(request.offset, max(len(data), request.offset + 1), step):
                 piece = wire.BlobChunk(data=data[start : start + step], total_size=len(data), round=round_)
                 self.bytes_served_total += piece.ByteSize()
@@ -414,12 +414,13 @@ class PeerRuntime:
 
         record, refresh_s = self._record
         assert record is not None
+        now = get_dht_time()
         with self._dht_lock:
             self.dht.store(
                 peers_key(self.run_id),
                 subkey=self.signer.local_public_key,
-                value={**record.dict(), "written_at": get_dht_time()},  # signed with the rest: readers age it
-                expiration_time=get_dht_time() + 3 * refresh_s,
+                value={**record.dict(), "written_at": now},  # signed with the rest: readers age it by it
+                expiration_time=now + 3 * refresh_s,
                 return_future=True,  # a lost store is repaired by the next refresh (hivemind may report False)
             )
 
