@@ -383,8 +383,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         else:
             self.failed_settles = 0
         self.drop_unused(flight, outcomes)
-        certified = settled.caught_up != "void"  # a void round keeps θ(t): it moves our round, not our certified one
-        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress, certified=certified)
+        void = frozenset(missing) if settled.caught_up == "void" else frozenset()
+        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress, void=void)
         settled.phases_s = self.apply_phases_s
         self.record_round(flight.round, flight, eval_loss, settled)
 
@@ -395,10 +395,15 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         flight: InFlight | None = None,
         caught_up: tuple[str, int] | None = None,
         progress: dict[int, list[Tensor]] | None = None,
-        certified: bool = True,
+        void: frozenset[int] = frozenset(),
     ) -> float | None:
         """Make θ(t+1) ours: parameters, subspace upkeep, start point, record, served state; eval and checkpoint
         it; then put back `progress`, the local progress made since the deadline (overlap). Returns the eval loss.
+
+        `void`: shards whose round nobody completed (they keep θ(t)). The upkeep follows our first shard alone (the
+        embedding's, on a full replica and stage 0; a later stage's own): the others' rounds are independent of it,
+        so a round certified for shard 0 and void for shard 1 moves T_fixed exactly as on a stage 0 peer, which
+        holds shard 0 alone. Our certified round moves only when no shard was void.
 
         A round rebuilt while catching up (`caught_up`: how, and the bytes it cost) is recorded here, and not
         evaluated: the other stages of a virtual replica are not in an eval pass then."""
@@ -407,7 +412,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             self.set_params(shard, tensors)
             if caught_up is not None:  # rebuilt from a donor's set, not ours: nothing of ours to heal
                 self.syncs[shard].applied = None
-        if not certified:  # a void round moved nothing: θ(t) and T_fixed(t) stay, as they were when it started
+        if min(self.syncs) in void:  # a void round moved nothing: θ(t) and T_fixed(t) stay as they were
             self.embed_change = None
         elif not self.upkeep(new_round):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
@@ -415,7 +420,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             return None
         self.adopt_start()
         self.round = new_round
-        if certified:
+        if not void:
             self.certified = new_round
         self.publish_state()
         self.announce()
