@@ -1,20 +1,20 @@
-"""When a round is final: its seals come from more than half of the previous certificate's members.
+"""When a round is final: more than half of the previous certificate's members sealed one set.
 
-`protocol/roster.py` makes every member that reads the same seals compute the same contributor set, and
-`client/outer/heal.py` repairs a round whose members read different seals. Neither stops a *partition*: two halves of
-a swarm that cannot reach each other each read only their own seals, and each would apply its own round; the swarm
-forks into two models that nothing joins again. The rule here (torchft's split-brain rule, without its lighthouse):
-round t of a shard is **certified** when the members that sealed it include more than half of the members of the
-shard's previous certificate (the quorum base). Two disjoint sides cannot both hold more than half of one base, so
-at most one side of any partition makes progress; the other voids the round and keeps θ(t), and when the link heals
-its members start from a θ the majority can rebuild forward from its messages.
+Round t of a shard is **certified** when the members that sealed one set (`protocol/roster.py`: a seal is a vote,
+never changed) include more than half of the members of the shard's previous certificate (the quorum base):
+torchft's split-brain rule, without its lighthouse. Two sets cannot both hold more than half of one base's votes,
+so every member that certifies round t certifies the same set, and at most one side of a partition makes
+progress; the other voids the round and keeps θ(t), and when the link heals its members start from a θ the
+majority can rebuild forward from its messages.
 
-The members of the new certificate are all of its sealers: a joiner is admitted by sealing, though it does not count
-towards the quorum of the round it joins. A member of the base that crashed still counts against the quorum, since
-a crash and a partition look the same from inside; after `patience` rounds without a certificate, base members whose
-peer records are gone are dropped from the base, so survivors of a crash (or of peers that left) go on. The price:
-a partition longer than `patience` rounds lets both sides go on (each sees the other's records expire).
-"""
+The members of the new certificate are the authors of the round's set, which every member that certified it holds
+alike, so the next round's base is the same for all of them (it was the sealers each member happened to read,
+which differed under churn and let two sets each win a different base). A joiner is admitted by stating in time
+for a round's set, though it does not count towards the quorum of the round it joins. A member of the base that
+crashed still counts against the quorum, since a crash and a partition look the same from inside; after
+`patience` rounds without a certificate, base members whose peer records are gone are dropped from the base, so
+survivors of a crash (or of peers that left) go on. The price: a partition longer than `patience` rounds lets both
+sides go on (each sees the other's records expire)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Certificate:
 
     round: int
     members: frozenset[str]
-    """Its sealers: the next round's quorum base."""
+    """The authors of its set: the next round's quorum base."""
     start_fp: str
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""One contributor set per (round, shard), by construction: a round's roster, its members' seals, and their union.
+"""One contributor set per (round, shard), by construction: a round's roster, its members' seals, and their tally.
 
 hivemind's matchmaking let its leader alone decide a group: a follower that timed out could lead a second group for
 the same key while the first leader still counted it, and two groups then applied two aggregates (the fork of
@@ -7,17 +7,18 @@ the same key while the first leader still counted it, and two groups then applie
 1. **Statement.** Each member of round t of shard s stores what it brings, signed by its key (the DHT's owner
    subkeys, as peer records are): start fingerprint, message size and digest, tokens (size 0: it only receives).
 2. **Seal.** Once every member the records show coming has a statement (or at the round's close), a member stores
-   the set of statements it sees that start from the round's θ(t): its seal, signed the same way.
-3. **Union.** Once the members it sealed have sealed too (or a short while later), a member reads the seals and
-   aggregates their union (`union`), less any author seen with two different statements (it equivocated) and less
-   any statement only its own author lists (a late or lying author cannot force itself in).
+   the set of statements it sees that start from the round's θ(t): its seal, signed the same way, **once**: a seal
+   is a vote and is never changed.
+3. **Tally.** Once the members it sealed have sealed too (or a short while later), a member counts who sealed each
+   set (`tally`); the set sealed by more than half of the round's quorum base (`protocol/quorum.py`) is the round's
+   (`decided`), and its authors are the next round's base.
 
-Every member that reads the same seals computes the same set, in any order it reads them; more seals never take an
-honest statement out. A member that read fewer seals than another (it gave up waiting for a slow sealer) applies a
-smaller set; the next round shows it (start fingerprints differ) and heals it with `widest`: the set that contains
-all the others is the round's, and members holding a smaller one rebuild the round from it (`client/outer/heal.py`).
-Sets only grow, so there is no tie to break. This module is the pure part (the wire format and the rules);
-`client/outer/roster_round.py` moves it through the DHT.
+Two sets cannot both hold more than half of one base's votes when nobody votes twice, so every member that decides
+the round decides the same set, whatever seals it read and in whatever order; a member that read too few votes
+decides nothing and takes the round's result from those that did (`client/roles/catch_up_driver.py: obtain`).
+(The first version let a member re-seal a grown union; a re-sealed vote could then count in two quorums, and the
+kill soak showed two members applying different sets of one round.) This module is the pure part (the wire format
+and the rules); `client/outer/roster_round.py` moves it through the DHT.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hetero_node.protocol.quorum import certifies
 from hetero_node.protocol.round_wire import HEX, MAX_TOKENS, PROOF
 
 MAX_SEALED = 512
@@ -103,43 +105,38 @@ class Seal:
 
 
 @dataclass(frozen=True)
-class Union:
-    """What a member aggregates for a round: the counted entries in author order, and who was left out why."""
+class Vote:
+    """One set of statements of a round and who sealed exactly it."""
 
     entries: tuple[Entry, ...]
-    equivocators: frozenset[str]
-    self_listed: frozenset[str]
-    """Authors whose statement no member but themselves listed."""
+    sealers: frozenset[str]
 
     @property
     def authors(self) -> list[str]:
         return [e.author for e in self.entries]
 
 
-def union(seals: Iterable[Seal], start_fp: str) -> Union:
-    """The round's contributor set from the seals that start from `start_fp` (see the module docstring): the same for
+def tally(seals: Iterable[Seal], start_fp: str) -> list[Vote]:
+    """Every set sealed from `start_fp`, with its sealers, most sealers first (then by entries): the same list for
     every reader of the same seals, whatever order they come in."""
-    listed_by: dict[Entry, set[str]] = defaultdict(set)
+    sealers: dict[tuple[Entry, ...], set[str]] = defaultdict(set)
     for seal in seals:
         if seal.start_fp == start_fp:
-            for entry in seal.entries:
-                listed_by[entry].add(seal.sealer)
-    versions: dict[str, set[Entry]] = defaultdict(set)
-    for entry in listed_by:
-        versions[entry.author].add(entry)
-    equivocators = frozenset(author for author, seen in versions.items() if len(seen) > 1)
-    self_listed = frozenset(
-        e.author for e, sealers in listed_by.items() if e.author not in equivocators and sealers == {e.author}
-    )
-    counted = sorted(e for e in listed_by if e.author not in equivocators and e.author not in self_listed)
-    return Union(tuple(counted), equivocators, self_listed)
+            sealers[seal.entries].add(seal.sealer)
+    return sorted((Vote(entries, frozenset(by)) for entries, by in sealers.items()),
+                  key=lambda v: (-len(v.sealers), v.entries))  # fmt: skip
 
 
-def agreeing(seals: Iterable[Seal], counted: Union, start_fp: str) -> frozenset[str]:
-    """The sealers whose seal lists exactly the round's union: what a certificate counts (`protocol/quorum.py`).
-    Two members that certify each hold more than half of one base, so they share a sealer; its seal only grows
-    (a member re-seals its union), so the sets they certified are nested, and the next round joins them."""
-    return frozenset(s.sealer for s in seals if s.start_fp == start_fp and s.entries == counted.entries)
+def decided(votes: list[Vote], base: frozenset[str]) -> Vote | None:
+    """The set more than half of `base` sealed (at most one exists: nobody votes twice); None while there is none."""
+    return next((vote for vote in votes if certifies(vote.sealers, base)), None)
+
+
+def undecidable(votes: list[Vote], base: frozenset[str]) -> bool:
+    """No set can reach a quorum of `base` any more, even if every base member that has not sealed yet seals it."""
+    voted = frozenset().union(*(vote.sealers for vote in votes))
+    best = max((len(vote.sealers & base) for vote in votes), default=0)
+    return bool(base) and 2 * (best + len(base - voted)) <= len(base)
 
 
 K = TypeVar("K")
@@ -147,8 +144,8 @@ T = TypeVar("T", bound=Hashable)
 
 
 def widest(sets: Mapping[K, frozenset[T]]) -> K | None:
-    """The key whose set contains every other set: the round its members converge on when they applied different
-    sets (sets only grow). None when no set contains all the others (nobody holds the union), or when two keys hold
+    """The key whose set contains every other set: the round its members heal to when they applied different sets
+    (`client/outer/heal.py`). None when no set contains all the others (nobody holds the union), or when two keys hold
     the same set: the same messages gave two results, which no rebuild can settle."""
     if len(set(sets.values())) != len(sets):
         return None

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hetero_node.bench.poison import swarm
 from hetero_node.client.config import SyncTimeouts
-from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
+from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync, Unreachable
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol import tensor_file
 from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
@@ -120,3 +120,37 @@ def test_a_half_cut_off_voids_its_round_and_the_whole_swarm_certifies_the_next()
         pending = lonely.contribution(4, theta, fingerprint(theta), [1e-2 * torch.ones(s) for s in SHAPES], 64)
         alone = lonely.solo(pending, live=[lonely.me])
         assert (alone.new_tensors, alone.uncertified, alone.deferred) == (None, True, True)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(180)
+def test_a_message_whose_author_died_comes_from_a_member_that_verified_it_or_the_round_is_not_ours_to_apply() -> None:
+    """The kill soak's other fork: an author killed after sealing left one member without its message, which dropped
+    it and applied another aggregate than the member that had fetched it. Now a lost message comes from any member
+    holding a verified copy; with no copy anywhere and the author unreachable, the member applies nothing
+    (`Unreachable`: it takes the round's result from the others) instead of dropping the message alone."""
+    from hetero_node.protocol.roster import Entry
+    from hetero_node.protocol.round_wire import message_kind
+
+    with swarm(3) as runtimes:
+        stop = threading.Event()
+        author, keeper, late = (
+            ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(fetch_timeout_s=2.0), stop) for r in runtimes
+        )
+        start = [torch.full(s, 0.25) for s in SHAPES]
+        sent = author.contribution(5, start, fingerprint(start), [1e-2 * torch.ones(s) for s in SHAPES], 64)
+        assert sent.payload is not None
+        entry = Entry(author.me, sent.meta.size, sent.meta.digest, sent.meta.tokens)
+        members = [ShardSync._member(Entry(s.me, 0, "", 0), 5, sent.meta.start_fp) for s in (keeper, late)]
+        members.append(ShardSync._member(entry, 5, sent.meta.start_fp))
+        peers = {m.name: m.peer_id for m in members}
+        keeper.runtime.publish(message_kind(sent.meta.digest), 0, 5, sent.payload)  # it verified the message
+        runtimes[0].shutdown()  # the author is killed before `late` fetched it
+
+        receiving = late.contribution(5, start, fingerprint(start), None, 0)
+        got, dropped, _ = late._collect_messages(receiving, [members[-1]], peers)
+        assert [r.digest for r in got] == [sent.meta.digest] and not dropped
+
+        keeper.runtime.publish(message_kind(sent.meta.digest), 0, 5, b"")  # its copy is gone: no good one anywhere
+        with pytest.raises(Unreachable):
+            late._collect_messages(receiving, [members[-1]], peers)

@@ -1,5 +1,5 @@
 """One shard's round through the DHT roster (`protocol/roster.py`): our statement, our seal once the round's members
-are in, and the union of the seals once the members we sealed have sealed too.
+are in, and the tally of the seals once the members we sealed have sealed too.
 
 Every wait is bounded (hivemind pitfall C): statements by the round's close (its deadline plus grace), seals by
 `seal_wait_s` past the later of the close and our own seal. The happy path costs a store and a read more than the
@@ -12,12 +12,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import roster_key, seals_key
-from hetero_node.protocol.quorum import certifies
-from hetero_node.protocol.roster import Seal, Union, agreeing, union
+from hetero_node.protocol.roster import Seal, Vote, decided, tally, undecidable
 from hetero_node.protocol.round_wire import GroupMeta
 from hetero_node.protocol.swarm_key import is_member
 
@@ -123,22 +122,16 @@ class RosterRound:
             logger.info("shard %d round %d: no seal from %s", self.shard, self.round, ", ".join(missing))
         return [*(s for name, s in seals.items() if name != ours.sealer), ours]
 
-    def converge(
-        self, ours: Seal, seals: list[Seal], base: frozenset[str], wait_s: float
-    ) -> tuple[Union, frozenset[str]]:
-        """The round's union and the sealers whose seal lists exactly it, once those are a quorum of `base`, or as
-        they stand after `wait_s`. Meanwhile our seal follows our union (we re-seal it when it grew), so members
-        that read the seals at different moments converge on one set; when every seal is alike (the happy path)
+    def decide(self, ours: Seal, seals: list[Seal], base: frozenset[str], wait_s: float) -> Vote | None:
+        """The set more than half of `base` sealed, once the seals show one; None when none can be any more, or
+        none did within `wait_s`. Our seal never changes (it is a vote); when every seal is alike (the happy path)
         it returns at once, with no store or read more."""
         give_up = time.monotonic() + wait_s
         while True:
-            counted = union(seals, ours.start_fp)
-            agree = agreeing(seals, counted, ours.start_fp)
-            if certifies(agree, base) or time.monotonic() >= give_up or self.stop.is_set():
-                return counted, agree
-            if ours.entries != counted.entries:
-                ours = replace(ours, entries=counted.entries)
-                self.seal(ours)
+            votes = tally(seals, ours.start_fp)
+            won = decided(votes, base)
+            if won is not None or undecidable(votes, base) or time.monotonic() >= give_up or self.stop.is_set():
+                return won
             self.stop.wait(POLL_S)
             latest = self.seals()
             if latest is not None:

@@ -57,7 +57,7 @@ from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
-from hetero_node.protocol.roster import Entry, Seal
+from hetero_node.protocol.roster import Entry, Seal, tally
 from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.swarm_key import member_proof
@@ -68,6 +68,24 @@ RELAY_PATIENCE = 0.5
 """Share of the fetch deadline a member waits for its relay parent to hold a message before asking its author."""
 RELAY_POLL_S = 0.05
 """First pause between asking a relay parent that does not hold the message yet (doubling up to 1 s)."""
+
+
+MEMBER_FETCH_S = 5.0
+"""One try at a lost message from another member of the round: it is small and that member already holds it."""
+
+
+class Unreachable(Exception):
+    """A selected message's author (and every member we asked for a copy) could not be reached: whether the others
+    got it is unknown, so this member takes θ(t+1) from the round's certified result instead of computing another."""
+
+
+def answered(outcome: Any) -> bool:
+    """A fetch's outcome that every member sees alike: the bytes, bytes that fail their check (`PayloadError`, a
+    size other than announced), or the holder's own refusal. A timeout or a dial failure says nothing about what
+    the others got."""
+    from hivemind.p2p import P2PHandlerError
+
+    return not isinstance(outcome, BaseException) or isinstance(outcome, PayloadError | ValueError | P2PHandlerError)
 
 
 class Received(NamedTuple):
@@ -283,50 +301,45 @@ class ShardSync:
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         roster.seal(ours)
         seals = roster.await_seals(ours, self.timeouts.matchmaking_s)
-        sealed, sealers = roster.converge(ours, seals, pending.base, self.timeouts.matchmaking_s)
-        for author in sorted(sealed.equivocators):
-            logger.warning("shard %d round %d: leaving out %s (two different statements)", self.shard, pending.round,
-                           author)  # fmt: skip
-        members = [self._member(entry, pending.round, majority) for entry in sealed.entries]
+        won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s)
+        owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
+        if won is None:
+            everyone = frozenset(s.sealer for s in seals if s.start_fp == majority)
+            self._not_certified(pending, everyone)
+            return ShardOutcome(
+                new_tensors=None, group_size=len(entries), uncertified=True, sealed_by=everyone, deferred=owed
+            )
+        members = [self._member(entry, pending.round, majority) for entry in won.entries]
         if [m.name for m in members] in ([], [self.me]):  # a set of one is ours alone: no other member saw it
             logger.warning("shard %d round %d: no other member sealed with us", self.shard, pending.round)
-            return ShardOutcome(new_tensors=None, group_size=len(members), deferred=pending.payload is not None)
-        if not self._certify(pending, sealers):
-            everyone = frozenset(s.sealer for s in seals if s.start_fp == majority)
-            owed = pending.payload is not None  # our Δ stays in the error feedback for a later round
-            return ShardOutcome(
-                new_tensors=None, group_size=len(members), uncertified=True, sealed_by=everyone, deferred=owed
-            )
+            return ShardOutcome(new_tensors=None, group_size=len(members), deferred=owed)
+        self.certificate = Certificate(pending.round, frozenset(won.authors), majority)
         agreed_at = time.perf_counter()
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
 
     def adopt_certificate(self, round_: int) -> None:
-        """θ(t+1) came from others (their round's messages, or a state): round t's sealers as the DHT shows them
-        become our quorum base, so a member that caught up counts the swarm as it is now, not as it last saw it."""
+        """θ(t+1) came from others (their round's messages, or a state): the authors of round t's set, as most of
+        its seals in the DHT list it, become our quorum base, as they are for the members that decided round t."""
         if round_ < 0 or (self.certificate is not None and self.certificate.round >= round_):
             return
         roster = RosterRound(self.runtime, self.run.run_id, self.shard, round_, self.method.max_message_bytes,
                              self.stop)  # fmt: skip
         seals = list((roster.seals() or {}).values())
-        if seals:
-            start_fp, _ = Counter(seal.start_fp for seal in seals).most_common(1)[0]
-            sealers = frozenset(seal.sealer for seal in seals if seal.start_fp == start_fp)
-            self.certificate = Certificate(round_, sealers, start_fp)
+        votes = [(vote, fp) for fp in {seal.start_fp for seal in seals} for vote in tally(seals, fp)]
+        if votes:
+            vote, start_fp = min(votes, key=lambda v: (-len(v[0].sealers), v[0].entries, v[1]))
+            self.certificate = Certificate(round_, frozenset(vote.authors), start_fp)
 
-    def _certify(self, pending: PendingRound, sealers: frozenset[str]) -> bool:
-        """Whether more than half of the round's quorum base sealed it (then it is our new certificate); a round
-        that is not certified is voided by us, so the minority side of a partition never moves on alone."""
-        if certifies(sealers, pending.base):
-            self.certificate = Certificate(pending.round, sealers, pending.meta.start_fp)
-            return True
+    def _not_certified(self, pending: PendingRound, sealers: frozenset[str]) -> None:
+        """No set was sealed by more than half of the round's quorum base: we void it, so the minority side of a
+        partition never moves on alone (the majority's result, if there is one, comes from `obtain`)."""
         logger.warning(
-            "shard %d round %d: not certified: sealed by %d of the %d members of its quorum base (%s); voiding it "
-            "unless a majority did", self.shard, pending.round, len(sealers & pending.base), len(pending.base),
-            ", ".join(sorted(pending.base - sealers)) or "-",
+            "shard %d round %d: not certified: no set sealed by more than half of the %d members of its quorum base "
+            "(%d of them sealed: %s); voiding it unless a majority did", self.shard, pending.round, len(pending.base),
+            len(sealers & pending.base), ", ".join(sorted(pending.base & sealers)) or "-",
         )  # fmt: skip
-        return False
 
     @staticmethod
     def _member(entry: Entry, round_: int, start_fp: str) -> Member:
@@ -338,6 +351,15 @@ class ShardSync:
     def _exchange(self, pending: PendingRound, included: list[Member], group_size: int) -> ShardOutcome:
         """Fetch the selected contributors' messages, combine them in canonical order, take the outer step, and serve
         the round's manifest (what we aggregated) so a member that missed the group can rebuild θ(t+1) from it."""
+        listed = next((m.meta for m in included if m.name == self.me), None)
+        if listed is not None and listed.size > 0 and listed.digest != pending.meta.digest:
+            logger.warning(
+                "shard %d round %d: the round's set holds a message of ours we no longer have (stated "
+                "before a restart); taking the round's result from the others",
+                self.shard,
+                pending.round,
+            )
+            return ShardOutcome(new_tensors=None, group_size=group_size, deferred=pending.payload is not None)
         announced = Counter(m.meta.digest for m in included if m.meta.size > 0)
         for m in included:
             if m.meta.size > 0 and announced[m.meta.digest] > 1:
@@ -348,7 +370,13 @@ class ShardSync:
         chosen = set(selected_contributors([m.name for m in contributors], contributor_limit(self.run.outer), seed))
         selected = [m for m in contributors if m.name in chosen]
         fetch_started = time.perf_counter()
-        messages, dropped, traffic = self._collect_messages(pending, selected, {m.name: m.peer_id for m in included})
+        peers = {m.name: m.peer_id for m in included}
+        try:
+            messages, dropped, traffic = self._collect_messages(pending, selected, peers)
+        except Unreachable as e:
+            logger.warning("shard %d round %d: no member could serve the message of %s; taking the round's result "
+                           "from the members that got it", self.shard, pending.round, e)  # fmt: skip
+            return ShardOutcome(new_tensors=None, group_size=group_size, deferred=pending.payload is not None)
         outer_started = time.perf_counter()
         combined = self.method.combine(
             [r.message for r in messages], [float(r.tokens) for r in messages], [r.name for r in messages]
@@ -387,8 +415,18 @@ class ShardSync:
             }  # fmt: skip
 
         fetched: dict[str, Any] = self.runtime.run(fetch_all())
+        lost = [m for m in others if isinstance(fetched[m.name], BaseException)]
+        if lost:  # its author is gone, slow or serves us garbage: any member that verified it serves it too
+            copies = self.runtime.run(self._fetch_from_members(pending.round, lost, members))
+            for m in lost:
+                copy = copies[m.name]
+                if not isinstance(copy, BaseException) or not answered(copy):
+                    fetched[m.name] = copy
         if pending.payload is not None:
             fetched[self.me] = Fetched(pending.payload, relayed=False)
+        unreachable = sorted(m.name for m in others if not answered(fetched[m.name]))
+        if unreachable:  # dropping it could leave us with another aggregate than members that got it: not ours to do
+            raise Unreachable(", ".join(unreachable))
         messages, dropped, traffic = [], [], Traffic()
         for name, _, meta in selected:
             got = fetched[name]  # ours is in `selected` only with a payload
@@ -409,6 +447,35 @@ class ShardSync:
         for reason in dropped:
             logger.warning("shard %d round %d: dropped contribution %s", self.shard, pending.round, reason)
         return messages, dropped, traffic
+
+    async def _fetch_from_members(
+        self, round_: int, lost: list[Member], members: dict[str, Any]
+    ) -> dict[str, Fetched | BaseException]:
+        """Each of `lost`'s messages from any other member of the round that verified it (each re-serves it by its
+        digest), all asked at once; when none serves it, an error that is `answered` only if every member answered
+        (then nobody holds it, and every member drops it alike)."""
+
+        async def ask(holder: Any, author: Member) -> bytes:
+            kind = message_kind(author.meta.digest)
+            _, data = await asyncio.wait_for(
+                self.runtime.fetch_async(holder, kind, self.shard, round_, author.meta.size), MEMBER_FETCH_S
+            )
+            if digest(data) != author.meta.digest or len(data) != author.meta.size:
+                raise PayloadError(f"a copy of {author.name}'s message does not match its digest")
+            return data
+
+        async def from_anyone(author: Member) -> Fetched | BaseException:
+            holders = [members[name] for name in sorted(members) if name not in (self.me, author.name)]
+            found = await asyncio.gather(*(ask(holder, author) for holder in holders), return_exceptions=True)
+            for data in found:
+                if isinstance(data, bytes):
+                    self.runtime.publish(message_kind(author.meta.digest), self.shard, round_, data)
+                    return Fetched(data, relayed=True)
+            silent = [e for e in found if not answered(e)]
+            return silent[-1] if silent else PayloadError(f"no member holds {author.name}'s message")
+
+        found = await asyncio.gather(*(from_anyone(m) for m in lost))
+        return {m.name: got for m, got in zip(lost, found, strict=True)}
 
     async def _fetch_message(self, round_: int, author: Member, members: dict[str, Any]) -> Fetched:
         """`author`'s message, checked against the size and digest the group agreed on, then re-served for our
@@ -474,8 +541,10 @@ class ShardSync:
         the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
         joiner) can follow. Only if we alone are a quorum: a peer cut off from the others is not alone."""
         pending.base = self.quorum(pending.round, [], live)
-        if not self._certify(pending, frozenset({self.me})):  # cut off: our Δ stays owed, as in `finish`
+        if not certifies({self.me}, pending.base):  # cut off: our Δ stays owed, as in `finish`
+            self._not_certified(pending, frozenset({self.me}))
             return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
+        self.certificate = Certificate(pending.round, frozenset({self.me}), pending.meta.start_fp)
         if pending.payload is None:
             return ShardOutcome([s.clone() for s in pending.start], 1, 0)
         mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)
