@@ -75,17 +75,8 @@ MEMBER_FETCH_S = 5.0
 
 
 class Unreachable(Exception):
-    """A selected message's author (and every member we asked for a copy) could not be reached: whether the others
-    got it is unknown, so this member takes θ(t+1) from the round's certified result instead of computing another."""
-
-
-def answered(outcome: Any) -> bool:
-    """A fetch's outcome that every member sees alike: the bytes, bytes that fail their check (`PayloadError`, a
-    size other than announced), or the holder's own refusal. A timeout or a dial failure says nothing about what
-    the others got."""
-    from hivemind.p2p import P2PHandlerError
-
-    return not isinstance(outcome, BaseException) or isinstance(outcome, PayloadError | ValueError | P2PHandlerError)
+    """A selected message could not be had from its author nor from any member of the round: whether the others got
+    it is unknown, so this member takes θ(t+1) from the round's certified result instead of computing another."""
 
 
 class Received(NamedTuple):
@@ -398,7 +389,8 @@ class ShardSync:
         self, pending: PendingRound, selected: list[Member], members: dict[str, Any]
     ) -> tuple[list[Received], list[str], Traffic]:
         """Every selected contributor's decoded message (ours decoded from our own bytes, exactly as the others see
-        it), fetched concurrently through the relay trees among `members` and verified; bad ones are dropped."""
+        it), fetched concurrently through the relay trees among `members` and verified; one whose bytes do not
+        decode is dropped (every member decodes the same bytes alike); `Unreachable` when one cannot be had."""
         others = [m for m in selected if m.name != self.me]
 
         async def fetch_all() -> dict[str, Any]:
@@ -416,23 +408,16 @@ class ShardSync:
 
         fetched: dict[str, Any] = self.runtime.run(fetch_all())
         lost = [m for m in others if isinstance(fetched[m.name], BaseException)]
-        if lost:  # its author is gone, slow or serves us garbage: any member that verified it serves it too
-            copies = self.runtime.run(self._fetch_from_members(pending.round, lost, members))
-            for m in lost:
-                copy = copies[m.name]
-                if not isinstance(copy, BaseException) or not answered(copy):
-                    fetched[m.name] = copy
+        if lost:  # its author is gone, slow or serves us bytes that fail the digest: a member that verified it may not
+            fetched |= self.runtime.run(self._fetch_from_members(pending.round, lost, members))
+        unreachable = sorted(m.name for m in others if isinstance(fetched[m.name], BaseException))
+        if unreachable:  # dropping it alone would leave us with another aggregate than members that got it
+            raise Unreachable(", ".join(unreachable))
         if pending.payload is not None:
             fetched[self.me] = Fetched(pending.payload, relayed=False)
-        unreachable = sorted(m.name for m in others if not answered(fetched[m.name]))
-        if unreachable:  # dropping it could leave us with another aggregate than members that got it: not ours to do
-            raise Unreachable(", ".join(unreachable))
         messages, dropped, traffic = [], [], Traffic()
         for name, _, meta in selected:
             got = fetched[name]  # ours is in `selected` only with a payload
-            if isinstance(got, BaseException):
-                dropped.append(f"{name}: {got!r}")
-                continue
             data = got.data
             if name != self.me:
                 traffic.received += len(data)
@@ -452,8 +437,7 @@ class ShardSync:
         self, round_: int, lost: list[Member], members: dict[str, Any]
     ) -> dict[str, Fetched | BaseException]:
         """Each of `lost`'s messages from any other member of the round that verified it (each re-serves it by its
-        digest), all asked at once; when none serves it, an error that is `answered` only if every member answered
-        (then nobody holds it, and every member drops it alike)."""
+        digest), all asked at once; an error for a message none of them serves."""
 
         async def ask(holder: Any, author: Member) -> bytes:
             kind = message_kind(author.meta.digest)
@@ -467,12 +451,11 @@ class ShardSync:
         async def from_anyone(author: Member) -> Fetched | BaseException:
             holders = [members[name] for name in sorted(members) if name not in (self.me, author.name)]
             found = await asyncio.gather(*(ask(holder, author) for holder in holders), return_exceptions=True)
-            for data in found:
-                if isinstance(data, bytes):
-                    self.runtime.publish(message_kind(author.meta.digest), self.shard, round_, data)
-                    return Fetched(data, relayed=True)
-            silent = [e for e in found if not answered(e)]
-            return silent[-1] if silent else PayloadError(f"no member holds {author.name}'s message")
+            data = next((d for d in found if isinstance(d, bytes)), None)
+            if data is None:
+                return LookupError(f"no member of the round serves {author.name}'s message")
+            self.runtime.publish(message_kind(author.meta.digest), self.shard, round_, data)
+            return Fetched(data, relayed=True)
 
         found = await asyncio.gather(*(from_anyone(m) for m in lost))
         return {m.name: got for m, got in zip(lost, found, strict=True)}
