@@ -168,6 +168,11 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self.embed_change = embedding_change(self.start_embedding(module), module.embed.weight)
         drift_transfer_(module, basis)
 
+    def tables_move(self, void: frozenset[int]) -> bool:
+        """Whether the subspace upkeep runs after a round whose `void` shards nobody completed: on a peer holding
+        the embedding (shard 0), only when shard 0's round was not void."""
+        return 0 not in void
+
     def round_extras(self) -> dict[str, Any]:
         """Role-specific fields of the round's metrics (pipeline boundary bytes)."""
         return {}
@@ -400,10 +405,11 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         """Make θ(t+1) ours: parameters, subspace upkeep, start point, record, served state; eval and checkpoint
         it; then put back `progress`, the local progress made since the deadline (overlap). Returns the eval loss.
 
-        `void`: shards whose round nobody completed (they keep θ(t)). The upkeep follows our first shard alone (the
-        embedding's, on a full replica and stage 0; a later stage's own): the others' rounds are independent of it,
-        so a round certified for shard 0 and void for shard 1 moves T_fixed exactly as on a stage 0 peer, which
-        holds shard 0 alone. Our certified round moves only when no shard was void.
+        `void`: shards whose round nobody completed (they keep θ(t)). T_fixed follows shard 0's round alone (the
+        embedding's; `tables_move`): a round certified for shard 0 and void for shard 1 moves it exactly as on a
+        stage 0 peer, which holds shard 0 alone. Our certified round moves unless every shard was void (then we may
+        be the cut-off side, which catches up from its certified round): a replica that certified shard 0 and voided
+        shard 1 must say so, or a member catching up finds no donor for shard 1's void round.
 
         A round rebuilt while catching up (`caught_up`: how, and the bytes it cost) is recorded here, and not
         evaluated: the other stages of a virtual replica are not in an eval pass then."""
@@ -412,7 +418,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             self.set_params(shard, tensors)
             if caught_up is not None:  # rebuilt from a donor's set, not ours: nothing of ours to heal
                 self.syncs[shard].applied = None
-        if min(self.syncs) in void:  # a void round moved nothing: θ(t) and T_fixed(t) stay as they were
+        if not self.tables_move(void):  # a void round moved nothing: θ(t) and T_fixed(t) stay as they were
             self.embed_change = None
         elif not self.upkeep(new_round):
             self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
@@ -420,8 +426,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             return None
         self.adopt_start()
         self.round = new_round
-        if not void:
-            self.certified = new_round
+        if set(self.syncs) - void:  # some shard's round was certified: we are not cut off, and a void shard's
+            self.certified = new_round  # θ(t) is what every member that completed the round holds of it too
         self.publish_state()
         self.announce()
         applied = time.perf_counter()

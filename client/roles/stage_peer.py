@@ -245,6 +245,11 @@ class StagePeer(Replica):
 
     # ------------------------------------------------------------------------------------------ upkeep & eval
 
+    def tables_move(self, void: frozenset[int]) -> bool:
+        """A later stage's T_fixed follows shard 0's round, which it does not hold: whether or not its own shard's
+        round was void, it takes the table most peers of the next round hold (`upkeep`)."""
+        return not self.stage.first or 0 not in void
+
     def upkeep(self, new_round: int) -> bool:
         """Drift transfer after the outer step: stage 0 computes it; later stages rebuild T_fixed(t+1) from the
         entries of E_S the step changed (or, without a current copy of E_S, fetch both tables), checked against
@@ -260,6 +265,8 @@ class StagePeer(Replica):
             records = self.records()
             mate = self.schedule.neighbours.get(0)
             vouched = {kind: view.vouched_fingerprint(records, new_round, kind, self.me) for kind in (FIXED, EMBED)}
+            if self.holds_tables(vouched):  # shard 0's round was void: T_fixed did not move
+                return True
             # our own stage 0 first, then anyone holding the table that most peers of its round hold
             donors = sorted(
                 (pid != mate, pid)
@@ -279,6 +286,12 @@ class StagePeer(Replica):
             time.sleep(0.3)
         logger.error("round %d: no peer served the fixed table of round %d; re-syncing", new_round - 1, new_round)
         return False
+
+    def holds_tables(self, vouched: dict[str, str | None]) -> bool:
+        """Our T_fixed (and E_S copy, if we keep one) are already the ones the round's peers vouch for."""
+        if vouched[FIXED] is None or fingerprint([self.stage.fixed_table]) != vouched[FIXED]:
+            return False
+        return self.stage.embedding is None or fingerprint([self.stage.embedding]) == vouched[EMBED]
 
     def follow_embedding(self, donor: str, new_round: int, vouched: dict[str, str | None]) -> bool:
         """T_fixed(t+1) and E_S(t+1) from our E_S(t) and the entries `donor` says the outer step changed, kept
