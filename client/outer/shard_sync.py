@@ -9,13 +9,14 @@ How a round's messages travel (the design choice the README explains):
 2. The round's contributor set comes from the DHT, not from a group leader (`roster_round.py`,
    `protocol/roster.py`): each member stores a signed statement (round, start fingerprint, message size and
    digest, tokens trained); once every member the records show in round t has one (a ready barrier), or at the
-   round's deadline plus a grace period, each member seals the statements it sees, and every member aggregates
-   the union of the seals. No member can be in two groups and no key can have two: there are no groups.
+   round's deadline plus a grace period, each member seals the statements it sees (once: a seal is a vote), and
+   the set more than half of the round's quorum base sealed is the round's. No round can have two sets.
 3. Every member computes the same subset of at most K contributors (`--max-contributors`, a new subset each
    round: `protocol/flat_exchange.py`), fetches each selected message over a P2P stream from its parent in that
-   message's relay tree (the author or a member that already verified it), checks size and digest, decodes it
-   strictly, and combines them weighted by tokens, in peer-id order: every member gets the same bits without
-   trusting any peer's arithmetic. A contributor left out keeps its Δ in its error feedback.
+   message's relay tree (the author or a member that already verified it; then any member holding a copy; a
+   member that cannot get one computes nothing and takes the round's result from the others), checks size and
+   digest, decodes it strictly, and combines them weighted by tokens, in peer-id order: every member gets the
+   same bits without trusting any peer's arithmetic. A contributor left out keeps its Δ in its error feedback.
 4. Each member then serves the round's manifest (who contributed, with which digests and weights, the start and
    result fingerprints) and re-serves the messages, so a member that missed the group can rebuild θ(t+1) from
    them (`catch_up.py`) instead of downloading the model.
@@ -27,8 +28,9 @@ Each member downloads at most K messages and uploads each at most twice (FANOUT)
 ≤ 2K·0.0273·N up per round for SparseLoCo whatever the group's size R (all-to-all: (R−1)·0.0273·N each way).
 A butterfly all-reduce of the same sparse vectors would return the union of all selections
 (denser with each peer) and lose the 2-bit value codes; and none of hivemind's partial-average failure modes can
-silently change the result here: a message is either received whole and verified, or dropped by that peer, and
-the next round's fingerprint check catches the disagreement. (hivemind's butterfly all-reduce of dense tensors was
+silently change the result here: a message is either received whole and verified, or that peer computes nothing
+and takes the round's result from the members that got every message (only bytes that fail to decode are dropped,
+by every member alike). (hivemind's butterfly all-reduce of dense tensors was
 tried first for DiLoCo: each peer ends with own + (mean − own), which differs from the mean in the last bit from
 peer to peer, so replicas never agreed.)
 """
