@@ -148,6 +148,7 @@ def test_a_message_whose_author_died_comes_from_a_member_that_verified_it_or_the
         runtimes[0].shutdown()  # the author is killed before `late` fetched it
 
         receiving = late.contribution(5, start, fingerprint(start), None, 0)
+        # in a group of three every member's relay parent is the author: the copy can only come from the keeper
         got, dropped, _ = late._collect_messages(receiving, [members[-1]], peers)
         assert [r.digest for r in got] == [sent.meta.digest] and not dropped
 

@@ -77,8 +77,9 @@ MEMBER_FETCH_S = 5.0
 
 
 class Unreachable(Exception):
-    """A selected message could not be had from its author nor from any member of the round: whether the others got
-    it is unknown, so this member takes θ(t+1) from the round's certified result instead of computing another."""
+    """A selected message could not be had from its author nor from any member of the round (or it is ours from
+    before a restart): whether the others got it is unknown, so this member takes θ(t+1) from the round's certified
+    result instead of computing another."""
 
 
 class Received(NamedTuple):
@@ -344,15 +345,6 @@ class ShardSync:
     def _exchange(self, pending: PendingRound, included: list[Member], group_size: int) -> ShardOutcome:
         """Fetch the selected contributors' messages, combine them in canonical order, take the outer step, and serve
         the round's manifest (what we aggregated) so a member that missed the group can rebuild θ(t+1) from it."""
-        listed = next((m.meta for m in included if m.name == self.me), None)
-        if listed is not None and listed.size > 0 and listed.digest != pending.meta.digest:
-            logger.warning(
-                "shard %d round %d: the round's set holds a message of ours we no longer have (stated "
-                "before a restart); taking the round's result from the others",
-                self.shard,
-                pending.round,
-            )
-            return ShardOutcome(new_tensors=None, group_size=group_size, deferred=pending.payload is not None)
         announced = Counter(m.meta.digest for m in included if m.meta.size > 0)
         for m in included:
             if m.meta.size > 0 and announced[m.meta.digest] > 1:
@@ -367,8 +359,8 @@ class ShardSync:
         try:
             messages, dropped, traffic = self._collect_messages(pending, selected, peers)
         except Unreachable as e:
-            logger.warning("shard %d round %d: no member could serve the message of %s; taking the round's result "
-                           "from the members that got it", self.shard, pending.round, e)  # fmt: skip
+            logger.warning("shard %d round %d: %s; taking the round's result from the members that got it",
+                           self.shard, pending.round, e)  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=group_size, deferred=pending.payload is not None)
         outer_started = time.perf_counter()
         combined = self.method.combine(
@@ -393,6 +385,8 @@ class ShardSync:
         """Every selected contributor's decoded message (ours decoded from our own bytes, exactly as the others see
         it), fetched concurrently through the relay trees among `members` and verified; one whose bytes do not
         decode is dropped (every member decodes the same bytes alike); `Unreachable` when one cannot be had."""
+        if any(m.name == self.me and m.meta.digest != pending.meta.digest for m in selected):
+            raise Unreachable("the round selected a message of ours from before a restart, which we no longer have")
         others = [m for m in selected if m.name != self.me]
 
         async def fetch_all() -> dict[str, Any]:
@@ -414,12 +408,12 @@ class ShardSync:
             fetched |= self.runtime.run(self._fetch_from_members(pending.round, lost, members))
         unreachable = sorted(m.name for m in others if isinstance(fetched[m.name], BaseException))
         if unreachable:  # dropping it alone would leave us with another aggregate than members that got it
-            raise Unreachable(", ".join(unreachable))
+            raise Unreachable(f"no member could serve the message of {', '.join(unreachable)}")
         if pending.payload is not None:
             fetched[self.me] = Fetched(pending.payload, relayed=False)
         messages, dropped, traffic = [], [], Traffic()
         for name, _, meta in selected:
-            got = fetched[name]  # ours is in `selected` only with a payload
+            got = fetched[name]  # ours is in `selected` only with our payload (checked above)
             data = got.data
             if name != self.me:
                 traffic.received += len(data)
