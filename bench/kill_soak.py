@@ -8,7 +8,10 @@ command line. The report says, from the peers' own metrics:
 * rounds in which peers that completed the round hold different weights (goal 0);
 * rounds whose exchange kept a peer waiting past the longest legitimate wait, `round_timeout_s` plus
   `fetch_timeout_s` (goal 0: nobody hangs);
-* for every restart, how many rounds after the swarm's round at the kill the peer contributes again (goal ≤ 2);
+* for every restart, how many rounds after the swarm's round at the kill the peer contributes again (goal ≤ 2),
+  and how much of that went on starting the process (kill to its checkpoint resumed) and how much on the round
+  protocol (from then to contributing); a restart whose peer, or a stage of its pipeline, is hit again before it
+  contributes is counted apart ("interrupted"): no protocol can bring it back in time;
 * peers that did not exit 0 within 30 s of SIGTERM at the end, and processes (p2pd included) left running.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -24,6 +28,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +123,10 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
                 os.killpg(pgid, signal.SIGSTOP)
                 time.sleep(cfg.freeze_s)
                 os.killpg(pgid, signal.SIGCONT)
-            events.append({"fault": fault, "peer": victim, "at_s": time.monotonic() - started, "swarm_round": at_round})
+            events.append({
+                "fault": fault, "peer": victim, "at_s": time.monotonic() - started, "at_wall": time.time(),
+                "swarm_round": at_round, "process": current[victim],
+            })  # fmt: skip
             if progress is not None and task is not None:
                 progress.update(task, completed=number + 1)
         last = swarm_round()
@@ -177,12 +185,10 @@ def analyse(
     disagreeing = disagreeing_rounds(per_peer)
     longest_wait = 20.0 + 10.0  # --round-timeout-s + --fetch-timeout-s above
     waits = [r["comm_s"] for records in per_peer.values() for r in records.values()]
-    recoveries = []
-    for event in events:
-        records = per_peer[event["peer"]]
-        back = [t for t, r in sorted(records.items()) if t >= event["swarm_round"] and r.get("contributed")]
-        recoveries.append({**event, "rounds_to_contribute": (back[0] - event["swarm_round"]) if back else None})
+    recoveries = [recovery(event, events, per_peer, workdir) for event in events]
     kills = [r["rounds_to_contribute"] for r in recoveries if r["fault"] == "kill"]
+    judged = [r for r in recoveries if r["fault"] == "kill" and not r["interrupted"]]
+    after_ready = [r["rounds_after_resuming"] for r in judged if r["rounds_after_resuming"] is not None]
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         "wall_s": round(wall_s, 1),
@@ -193,7 +199,12 @@ def analyse(
         "longest_wait_s": round(max(waits, default=0.0), 1),
         "kills": len(kills),
         "freezes": sum(1 for e in events if e["fault"] == "freeze"),
-        "restarts_contributing_within_2_rounds": sum(1 for k in kills if k is not None and k <= 2),
+        "restarts_contributing_within_2_rounds": sum(1 for k in kills if _within(k, 2)),
+        "restarts_not_interrupted": len(judged),
+        "uninterrupted_within_2_rounds": sum(1 for r in judged if _within(r["rounds_to_contribute"], 2)),
+        "startup_s_mean": _mean([r["startup_s"] for r in judged if r["startup_s"] is not None]),
+        "startup_rounds_mean": _mean([r["startup_rounds"] for r in judged if r["startup_rounds"] is not None]),
+        "rounds_after_resuming": {"max": max(after_ready, default=None), "mean": _mean(after_ready)},
         "rounds_to_contribute_after_kill": {
             "max": max((k for k in kills if k is not None), default=None),
             "mean": statistics.mean(k for k in kills if k is not None) if any(k is not None for k in kills) else None,
@@ -209,11 +220,66 @@ def analyse(
     }
 
 
+def recovery(
+    event: dict[str, Any], events: list[dict[str, Any]], per_peer: dict[str, dict[int, dict[str, Any]]], workdir: Path
+) -> dict[str, Any]:
+    """One fault's figures: rounds from the swarm's round at the fault to the peer's next contribution; for a kill,
+    also the restart's startup (kill to checkpoint resumed, in seconds and in the swarm's rounds meanwhile), the
+    rounds from then to contributing, and whether another fault hit the peer or its pipeline before it did."""
+    records = per_peer[event["peer"]]
+    back = [t for t, r in sorted(records.items()) if t >= event["swarm_round"] and r.get("contributed")]
+    out = {**event, "rounds_to_contribute": (back[0] - event["swarm_round"]) if back else None}
+    if event["fault"] != "kill":
+        return out
+    resumed = _resumed_at(workdir / f"{event['process']}.log")
+    back_at = records[back[0]]["ended_at"] if back else math.inf
+    pipeline = event["peer"].split("-s")[0]  # a stage contributes only with its virtual replica's other stages
+    team = {name for name in per_peer if name.split("-s")[0] == pipeline}
+    out["interrupted"] = any(e["peer"] in team and event["at_wall"] < e["at_wall"] < back_at for e in events)
+    out["startup_s"] = None if resumed is None else round(resumed - event["at_wall"], 1)
+    ready_round = None if resumed is None else _swarm_round_at(per_peer, resumed)
+    out["startup_rounds"] = None if ready_round is None else ready_round - event["swarm_round"]
+    out["rounds_after_resuming"] = None if not back or ready_round is None else max(0, back[0] - ready_round)
+    return out
+
+
+def _resumed_at(log: Path) -> float | None:
+    """When a restarted peer had loaded its checkpoint (its log's line saying so), as wall time."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if "resumed from checkpoint" in line:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return None
+
+
+def _swarm_round_at(per_peer: dict[str, dict[int, dict[str, Any]]], wall: float) -> int:
+    """The swarm's round at wall time `wall` as the bench reads it live: the highest round any peer had recorded."""
+    return max((t for records in per_peer.values() for t, r in records.items() if r["ended_at"] <= wall), default=-1)
+
+
+def _within(rounds: int | None, limit: int) -> bool:
+    return rounds is not None and rounds <= limit
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(statistics.mean(values), 1) if values else None
+
+
+NOT_COMPLETED = ("behind", "failed")
+"""A round record's `caught_up` when the peer holds no θ(t+1) yet (it still holds an earlier round's and catches up
+before its next round): such a peer lags, it does not disagree. A void round does count: it claims θ(t+1) = θ(t)."""
+
+
 def disagreeing_rounds(per_peer: dict[str, dict[int, dict[str, Any]]]) -> list[int]:
     """Rounds in which two peers that completed them hold different weights for one shard."""
     by_round: dict[int, dict[str, set[str]]] = {}
     for records in per_peer.values():
         for t, record in records.items():
+            if record.get("caught_up") in NOT_COMPLETED:
+                continue
             for key, value in record["fingerprints"].items():
                 by_round.setdefault(t, {}).setdefault(key, set()).add(value)
     return sorted(t for t, shards in by_round.items() if any(len(fps) > 1 for fps in shards.values()))
@@ -232,6 +298,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"{report['restarts_contributing_within_2_rounds']} / {report['kills']}",
         ),
         ("rounds until a restarted peer contributes (max / mean)", f"{after['max']} / {after['mean']}"),
+        (
+            "restarts not hit again before contributing: within 2 rounds",
+            f"{report['uninterrupted_within_2_rounds']} / {report['restarts_not_interrupted']}",
+        ),
+        (
+            "of which starting the process (kill to checkpoint resumed): s / rounds, mean",
+            f"{report['startup_s_mean']} / {report['startup_rounds_mean']}",
+        ),
+        (
+            "then rounds until it contributes (max / mean)",
+            f"{report['rounds_after_resuming']['max']} / {report['rounds_after_resuming']['mean']}",
+        ),
         (
             "peers not exiting 0 within 30 s of SIGTERM (goal none)",
             ", ".join(report["not_exiting_0_on_sigterm"]) or "none",
