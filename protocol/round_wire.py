@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetero_node.protocol.errors import PayloadError
+from hetero_node.protocol.quorum import Certificate
 from hetero_node.protocol.swarm_key import PROOF_PATTERN
 
 PAYLOAD, MANIFEST = "payload", "manifest"
@@ -31,7 +32,8 @@ MAX_ROUND = 10**9
 HEX = re.compile(r"^[0-9a-f]{8,64}$")
 PROOF = re.compile(PROOF_PATTERN)
 META_FIELDS = frozenset({"round", "start_fp", "size", "digest", "tokens", "proof"})
-MANIFEST_FIELDS = frozenset({"round", "start_fp", "result_fp", "members"})
+MANIFEST_FIELDS = frozenset({"round", "start_fp", "result_fp", "members", "certificate"})
+CERTIFICATE_FIELDS = frozenset({"round", "members", "start_fp"})
 
 
 def message_kind(digest: str) -> str:
@@ -83,10 +85,21 @@ class GroupMeta:
         return cls(**raw)
 
 
-def encode_manifest(round_: int, start_fp: str, result_fp: str, members: Sequence[tuple[str, str, int]]) -> bytes:
-    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result. No
-    members: the round was void (nobody completed it), θ(t+1) = θ(t)."""
-    body = {"round": round_, "start_fp": start_fp, "result_fp": result_fp, "members": [list(m) for m in members]}
+def encode_manifest(
+    round_: int,
+    start_fp: str,
+    result_fp: str,
+    members: Sequence[tuple[str, str, int]],
+    certificate: Certificate | None = None,
+) -> bytes:
+    """The round's manifest: who contributed (name, digest, tokens) in canonical order, start and result, and the
+    certificate its server holds after the round (the next round's quorum base: a member that takes θ(t+1) from
+    this manifest, or a state of round t+1, takes that base too, so it decides round t+1 against the same base as
+    the members that decided round t). No members: the round was void (nobody completed it), θ(t+1) = θ(t)."""
+    body = {
+        "round": round_, "start_fp": start_fp, "result_fp": result_fp, "members": [list(m) for m in members],
+        "certificate": None if certificate is None else certificate.to_dict(),
+    }  # fmt: skip
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -102,12 +115,33 @@ def parse_manifest(data: bytes, round_: int) -> dict[str, Any]:
             and isinstance(members, list)
             and len(members) <= MAX_MANIFEST_MEMBERS
             and all(_is_manifest_member(m) for m in members)
+            and _is_certificate(body["certificate"], round_)
         )
     except (ValueError, TypeError, KeyError):
         ok = False
     if not ok:
         raise PayloadError(f"malformed manifest of round {round_}")
     return body
+
+
+def manifest_certificate(manifest: dict[str, Any]) -> Certificate | None:
+    """The certificate a parsed manifest states (None: its server held none)."""
+    return Certificate.from_dict(manifest["certificate"])
+
+
+def _is_certificate(raw: Any, round_: int) -> bool:
+    """None, or a certificate of round `round_` or earlier naming at most MAX_MANIFEST_MEMBERS peer ids."""
+    if raw is None:
+        return True
+    certificate = Certificate.from_dict(raw)
+    return (
+        certificate is not None
+        and set(raw) == CERTIFICATE_FIELDS
+        and 0 <= certificate.round <= round_
+        and bool(HEX.match(certificate.start_fp))
+        and len(raw["members"]) <= MAX_MANIFEST_MEMBERS
+        and all(0 < len(m) <= MAX_NAME_CHARS for m in certificate.members)
+    )
 
 
 def _is_manifest_member(m: Any) -> bool:

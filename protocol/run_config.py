@@ -19,7 +19,7 @@ from typing import Any
 from hetero_node.protocol.errors import ConfigError, require_positive
 from hetero_node.protocol.outer_specs import outer_spec
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64

@@ -14,7 +14,8 @@ from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import ConfigError, PayloadError
 from hetero_node.protocol.outer_methods import DiLoCoMethod, SparseLoCoMethod, outer_method
 from hetero_node.protocol.outer_specs import outer_names, outer_spec
-from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, parse_manifest
+from hetero_node.protocol.quorum import Certificate
+from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, manifest_certificate, parse_manifest
 from hetero_node.protocol.run_config import OuterConfig
 
 SHAPES = [(64, 48), (300,)]
@@ -108,15 +109,21 @@ def test_malformed_gathered_metadata_leaves_its_member_out(change: dict) -> None
 
 def test_manifests_round_trip_and_malformed_ones_are_refused() -> None:
     members = [("peer-a", "cd" * 16, 4096), ("peer-b", "ef" * 16, 1024)]
-    data = encode_manifest(7, "ab" * 16, "12" * 16, members)
+    certificate = Certificate(7, frozenset({"peer-a", "peer-b", "peer-c"}), "ab" * 16)  # peer-c only received
+    data = encode_manifest(7, "ab" * 16, "12" * 16, members, certificate)
     body = parse_manifest(data, 7)
-    assert body["members"] == [list(m) for m in members]
-    assert parse_manifest(encode_manifest(7, "ab" * 16, "12" * 16, []), 7)["members"] == []  # a void round
+    assert body["members"] == [list(m) for m in members] and manifest_certificate(body) == certificate
+    void = parse_manifest(encode_manifest(7, "ab" * 16, "12" * 16, []), 7)  # a void round, by a member with no base
+    assert void["members"] == [] and manifest_certificate(void) is None
     for bad in (
         data.replace(b'"round":7', b'"round":8'),
         data[:-5],
         json.dumps({**body, "members": [["peer-a", "cd" * 16, 0]]}).encode(),
         json.dumps({**body, "result_fp": 5}).encode(),
+        json.dumps({**body, "certificate": {**body["certificate"], "round": 8}}).encode(),  # after the round
+        json.dumps({**body, "certificate": {**body["certificate"], "members": ["x" * 500]}}).encode(),
+        json.dumps({**body, "certificate": {**body["certificate"], "extra": 1}}).encode(),
+        json.dumps({k: v for k, v in body.items() if k != "certificate"}).encode(),
         b"\xff" * 10,
     ):
         with pytest.raises(PayloadError):

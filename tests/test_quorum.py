@@ -155,3 +155,32 @@ def test_a_message_whose_author_died_comes_from_a_member_that_verified_it_or_the
         keeper.runtime.publish(message_kind(sent.meta.digest), 0, 5, b"")  # its copy is gone: no good one anywhere
         with pytest.raises(Unreachable):
             late._collect_messages(receiving, [members[-1]], peers)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(180)
+def test_a_member_that_loaded_a_state_seals_for_the_deciders_and_takes_their_base_from_the_manifest() -> None:
+    """The kill soak's last fork: a member that loaded a state took its quorum base from the seals it read, another
+    base than the deciders', and certified a second set of one round. Not knowing the deciders' base, it now only
+    seals (its seal still counts for them) and takes the result, and with it their certificate, from a manifest."""
+    from hetero_node.client.outer.catch_up import catch_up_shard
+
+    with swarm(3) as runtimes:
+        stop = threading.Event()
+        syncs = [ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(), stop) for r in runtimes]
+        start = [torch.full(s, 0.5) for s in SHAPES]
+        first = contribute(syncs, 0, start, seed=0)
+        theta = first[0].new_tensors
+        assert theta is not None and all(s.certificate is not None and len(s.certificate.members) == 3 for s in syncs)
+
+        deciding, loaded = syncs[1], syncs[2]  # syncs[0] is gone for round 1
+        loaded.adopt(None, known=False)  # as after a state whose round no manifest told the certificate of
+        decider, follower = contribute([deciding, loaded], 1, theta, seed=10)
+        assert decider.new_tensors is not None and decider.contributors == 2  # 2 of the base of 3: the follower's seal
+        assert follower.new_tensors is None and not follower.uncertified and follower.deferred
+
+        got = catch_up_shard(loaded, 1, theta, fingerprint(theta), [deciding.me], 10.0)
+        assert got is not None and fingerprint(got.tensors) == fingerprint(decider.new_tensors)
+        assert got.certificate == deciding.certificate and got.certificate.members == {deciding.me, loaded.me}
+        loaded.adopt(got.certificate)
+        assert not loaded.follows and loaded.quorum(2, [], []) == deciding.quorum(2, [], [])  # one base for both

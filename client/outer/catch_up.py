@@ -14,6 +14,7 @@ shard's whole state (4·N bytes).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -23,7 +24,15 @@ from torch import Tensor
 
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
-from hetero_node.protocol.round_wire import MANIFEST, MAX_MANIFEST_BYTES, digest, message_kind, parse_manifest
+from hetero_node.protocol.quorum import Certificate
+from hetero_node.protocol.round_wire import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    digest,
+    manifest_certificate,
+    message_kind,
+    parse_manifest,
+)
 
 if TYPE_CHECKING:
     from hetero_node.client.outer.shard_sync import ShardSync
@@ -40,6 +49,9 @@ class CaughtUp:
     donor: str
     digests: dict[str, str]
     """Peer id → digest of each message the round aggregated (a member can see whether its own was used)."""
+    certificate: Certificate | None
+    """The certificate the round's members hold after it, as their manifests state it: the catching-up member's
+    next quorum base."""
 
 
 CORROBORATING_DONORS = 3
@@ -63,15 +75,16 @@ def catch_up_shard(
 
     runtime, method = sync.runtime, sync.method
     manifests = _manifests(sync, round_, start_fp, donors, timeout_s)
-    result_fp = _corroborated(manifests, alone=len(donors) == 1, vouched=vouched)
+    claim = _corroborated(manifests, alone=len(donors) == 1, vouched=vouched)
     if not manifests:
         return None
-    if result_fp is None:
+    if claim is None:
         logger.warning("round %d of shard %d: donors state different results %s", round_, sync.shard,
                        sorted({m["result_fp"] for m, _ in manifests.values()}))  # fmt: skip
         return None
+    result_fp = claim[0]
     for donor, (manifest, size) in manifests.items():
-        if manifest["result_fp"] != result_fp:
+        if _claim(manifest) != claim:
             continue
         peer = PeerID.from_base58(donor)
         shared = [t.clone() for t in method.shared_state() or []]
@@ -104,8 +117,30 @@ def catch_up_shard(
             "caught up round %d of shard %d from its %d messages (%d bytes) served by %s",
             round_, sync.shard, len(messages), received, donor,
         )  # fmt: skip
-        return CaughtUp(new, received, donor, {name: d for name, d, _ in manifest["members"]})
+        digests = {name: d for name, d, _ in manifest["members"]}
+        return CaughtUp(new, received, donor, digests, manifest_certificate(manifest))
     return None
+
+
+def agreed_certificate(
+    sync: ShardSync, round_: int, donors: list[str], timeout_s: float
+) -> tuple[bool, Certificate | None]:
+    """The certificate the members of `round_` hold after it, as the manifests of the first `CORROBORATING_DONORS`
+    of `donors` that serve one state it (two alike, or the only donor's): (whether one was agreed, which). What a
+    member that loaded a state of round `round_` + 1 takes as its base; without it, it follows the deciders."""
+    stated: Counter[str] = Counter()
+    found = 0
+    for donor in donors:
+        if found == CORROBORATING_DONORS:
+            break
+        got = fetch_manifest(sync, round_, donor, timeout_s)
+        if got is not None:
+            found += 1
+            stated[json.dumps(got[0]["certificate"], sort_keys=True)] += 1
+    best = stated.most_common(2)
+    if not best or (best[0][1] < 2 and len(donors) > 1) or (len(best) == 2 and best[1][1] == best[0][1]):
+        return False, None
+    return True, Certificate.from_dict(json.loads(best[0][0]))
 
 
 def _manifests(
@@ -141,17 +176,22 @@ def fetch_manifest(sync: ShardSync, round_: int, donor: str, timeout_s: float) -
         return None
 
 
-def _corroborated(manifests: dict[str, tuple[dict, int]], alone: bool, vouched: str | None) -> str | None:
-    """The result fingerprint two manifests state (the most stated one); a lone manifest's own only when its donor
-    was the only one (`alone`) or the records vouch for it; else None (the caller loads a vouched state instead:
-    a lone manifest among silent donors was the review's poisoned catch-up)."""
-    counts = Counter(manifest["result_fp"] for manifest, _ in manifests.values())
+def _claim(manifest: dict[str, Any]) -> tuple[str, str]:
+    """What a manifest states of its round's outcome: the result, and the certificate its members hold after it."""
+    return manifest["result_fp"], json.dumps(manifest["certificate"], sort_keys=True)
+
+
+def _corroborated(manifests: dict[str, tuple[dict, int]], alone: bool, vouched: str | None) -> tuple[str, str] | None:
+    """The claim (`_claim`) two manifests state (the most stated one); a lone manifest's own only when its donor
+    was the only one (`alone`) or the records vouch for its result; else None (the caller loads a vouched state
+    instead: a lone manifest among silent donors was the review's poisoned catch-up)."""
+    counts = Counter(_claim(manifest) for manifest, _ in manifests.values())
     if len(manifests) == 1:
         (stated,) = counts
-        if alone or stated == vouched:
+        if alone or stated[0] == vouched:
             return stated
-        logger.warning("only one of the donors asked serves a manifest; its result %s is not what most records "
-                       "at the next round vouch for (%s): not believed", stated, vouched or "no majority")  # fmt: skip
+        logger.warning("only one of the donors asked serves a manifest; its result %s is not what most records at "
+                       "the next round vouch for (%s): not believed", stated[0], vouched or "-")  # fmt: skip
         return None
     best = counts.most_common(2)
     if not best or best[0][1] < 2 or (len(best) == 2 and best[1][1] == best[0][1]):

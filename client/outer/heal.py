@@ -127,4 +127,5 @@ def _rebuild(
                    sync.shard, pending.round, applied.round, len(wider), len(applied.members))  # fmt: skip
     pending.start = rebuilt.tensors
     pending.meta = replace(pending.meta, start_fp=target)
+    sync.adopt(rebuilt.certificate)
     return True

@@ -59,7 +59,7 @@ from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
-from hetero_node.protocol.roster import Entry, Seal, tally
+from hetero_node.protocol.roster import Entry, Seal
 from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.swarm_key import member_proof
@@ -204,7 +204,12 @@ class ShardSync:
         """The last round this member applied from its own set (where it `heals`): what `heal` starts from. Set to
         None whenever θ comes from elsewhere (a state load, a catch-up)."""
         self.certificate: Certificate | None = None
-        """The last round of this shard we certified: its sealers are the next round's quorum base."""
+        """The last round of this shard we certified, or whose result we took from members that did (their
+        manifest states it): its authors are the next round's quorum base."""
+        self.follows = False
+        """Our θ came from a state whose round's certificate no manifest told us: our base may not be the deciders',
+        so we state and seal but take each round's result from the members that decide it, until a manifest tells
+        us the certificate (`adopt`). Deciding against another base could certify a second set."""
 
     @property
     def me(self) -> str:
@@ -294,9 +299,13 @@ class ShardSync:
         entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         roster.seal(ours)
+        owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
+        if self.follows:  # our seal counts for the deciders; the result comes from them (`obtain`)
+            logger.info("shard %d round %d: sealed; taking the result from the members that decide it (our quorum "
+                        "base is not known yet)", self.shard, pending.round)  # fmt: skip
+            return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         seals = roster.await_seals(ours, self.timeouts.matchmaking_s)
         won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s)
-        owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
         if won is None:
             everyone = frozenset(s.sealer for s in seals if s.start_fp == majority)
             self._not_certified(pending, everyone)
@@ -313,18 +322,10 @@ class ShardSync:
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
 
-    def adopt_certificate(self, round_: int) -> None:
-        """θ(t+1) came from others (their round's messages, or a state): the authors of round t's set, as most of
-        its seals in the DHT list it, become our quorum base, as they are for the members that decided round t."""
-        if round_ < 0 or (self.certificate is not None and self.certificate.round >= round_):
-            return
-        roster = RosterRound(self.runtime, self.run.run_id, self.shard, round_, self.method.max_message_bytes,
-                             self.stop)  # fmt: skip
-        seals = list((roster.seals() or {}).values())
-        votes = [(vote, fp) for fp in {seal.start_fp for seal in seals} for vote in tally(seals, fp)]
-        if votes:
-            vote, start_fp = min(votes, key=lambda v: (-len(v[0].sealers), v[0].entries, v[1]))
-            self.certificate = Certificate(round_, frozenset(vote.authors), start_fp)
+    def adopt(self, certificate: Certificate | None, known: bool = True) -> None:
+        """θ came from others: take the certificate its holders hold (`known`: a manifest stated it), or, not
+        knowing it, follow the deciders until a manifest tells it (`follows`)."""
+        self.certificate, self.follows = (certificate, False) if known else (None, True)
 
     def _not_certified(self, pending: PendingRound, sealers: frozenset[str]) -> None:
         """No set was sealed by more than half of the round's quorum base: we void it, so the minority side of a
@@ -537,8 +538,11 @@ class ShardSync:
 
     def serve_void(self, round_: int, start: list[Tensor], start_fp: str, owed: bytes | None = None) -> None:
         """Nobody completed `round_` as we saw it: say so in its manifest, so a member that catches up later keeps
-        θ(t) too. `owed`: our message, whose Δ we keep owed (a set that holds it after all counts it once)."""
-        manifest = encode_manifest(round_, start_fp, fingerprint(start), [])
+        θ(t) too. `owed`: our message, whose Δ we keep owed (a set that holds it after all counts it once). A
+        follower stops following: nobody decided, so no certificate exists that it could be missing (a swarm of
+        followers alone would otherwise never decide again)."""
+        self.follows = False
+        manifest = encode_manifest(round_, start_fp, fingerprint(start), [], self.certificate)
         self.runtime.publish(MANIFEST, self.shard, round_, manifest)
         if self.heals:  # an empty set: any member that completed the round holds a wider one
             self.applied = Applied(round_, start, start_fp, frozenset(), owed)
@@ -551,6 +555,10 @@ class ShardSync:
 
     def _serve_manifest(self, pending: PendingRound, used: list[Received], new: list[Tensor]) -> None:
         manifest = encode_manifest(
-            pending.round, pending.meta.start_fp, fingerprint(new), [(r.name, r.digest, r.tokens) for r in used]
+            pending.round,
+            pending.meta.start_fp,
+            fingerprint(new),
+            [(r.name, r.digest, r.tokens) for r in used],
+            self.certificate,
         )
         self.runtime.publish(MANIFEST, self.shard, pending.round, manifest)

@@ -41,7 +41,11 @@ class CatchingUp:
             if got is None:
                 break
             rebuilt, size = got
-            self.apply({s: r.tensors for s, r in rebuilt.items()}, self.certified + 1, caught_up=("messages", size))
+            void = frozenset(s for s, r in rebuilt.items() if not r.digests)  # its members served a void round
+            new = {s: r.tensors for s, r in rebuilt.items()}
+            self.apply(new, self.certified + 1, caught_up=("messages", size), void=void)
+            if self.lost_round:  # its upkeep failed and no state came: the next round's catch-up tries again
+                break
         if ahead > self.certified and not self.stop.is_set():
             size = self.load_state(min_round=ahead, wait_s=0.0)
             if size is not None:
@@ -59,10 +63,13 @@ class CatchingUp:
         from hivemind.utils import get_dht_time
 
         t = flight.round
-        end = (flight.plan.deadline or get_dht_time()) + flight.plan.grace_s + self.timeouts.round_timeout_s
+        ours = flight.plan.deadline or get_dht_time()
+        patience = flight.plan.grace_s + self.timeouts.round_timeout_s
         outcomes = {s: future.result() for s, future in flight.futures.items()}
         # members that sealed a round we could not certify read the seals we did: they will not certify it either
         stuck = {pid for outcome in outcomes.values() for pid in outcome.sealed_by}
+        if self.membership.record.train_round == t:  # not the next round's, training meanwhile (--overlap)
+            self.announce(train_round=-1, deadline=0.0)  # we bring nothing more to round t: nobody waits for us
         while not self.stop.is_set():
             records = self.records()
             donors = {pid: r for s in shards for pid, r in view.shard_donors(records, s).items()}  # any shard's holders
@@ -75,7 +82,10 @@ class CatchingUp:
                 size = self.load_state(min_round=t + 1, wait_s=0.0)
                 return ("state", size, {}) if size is not None else ("failed", 0, {})
             still = [pid for pid, r in donors.items() if pid not in stuck | {self.me} and view.coming(r, t)]
-            if not still or get_dht_time() > end:
+            # the round ends at the latest deadline its members announced (one late to it planned it later), within
+            # one more round timeout of ours
+            latest = max([ours, *(donors[pid].deadline for pid in still if donors[pid].train_round == t)])
+            if not still or get_dht_time() > min(latest, ours + self.timeouts.round_timeout_s) + patience:
                 break
             self.stop.wait(0.5)
         if self.stop.is_set():
@@ -85,7 +95,7 @@ class CatchingUp:
         owed = {s: p.payload for s, p in flight.pendings.items() if s in outcomes and outcomes[s].deferred}
         for shard in shards:
             self.syncs[shard].serve_void(t, self.start[shard], fps[str(shard)], owed.get(shard))
-        return "void", 0, {s: CaughtUp(self.start[s], 0, self.me, {}) for s in shards}
+        return "void", 0, {s: CaughtUp(self.start[s], 0, self.me, {}, self.syncs[s].certificate) for s in shards}
 
     def messages_cheaper(self, behind: int, records: dict[str, PeerRecord]) -> bool:
         """Whether rebuilding `behind` rounds from their messages beats loading the state: the messages are still
@@ -118,6 +128,6 @@ class CatchingUp:
             )
             if got is None:
                 return None
-            self.syncs[shard].adopt_certificate(round_)
+            self.syncs[shard].adopt(got.certificate)
             rebuilt[shard] = got
         return rebuilt, sum(got.bytes_received for got in rebuilt.values())

@@ -10,11 +10,13 @@ of it (`checkpoint`, `restore`).
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from hetero_node.client.outer.catch_up import agreed_certificate
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.swarm import view
@@ -24,6 +26,9 @@ from hetero_node.protocol.quorum import Certificate
 from hetero_node.protocol.records import PeerRecord
 
 logger = logging.getLogger(__name__)
+
+MANIFEST_S = 5.0
+"""One manifest fetch while adopting a loaded state's certificate: a few kilobytes from a peer that holds it."""
 
 
 class HeldState:
@@ -78,11 +83,23 @@ class HeldState:
         self.embed_change = None  # ours was of another round
         self.adopt_start()
         self.round = self.certified = new_round  # the state most holders of its round vouch for
-        for sync in self.syncs.values():
-            sync.adopt_certificate(new_round - 1)
+        self.adopt_certificates(new_round - 1)
         self.publish_state()
         self.announce()
         return size
+
+    def adopt_certificates(self, round_: int) -> None:
+        """After loading θ(t+1) (t = `round_`): each shard's next quorum base, the certificate round t's members
+        state in their manifests; a shard whose certificate none states follows the deciders until one does."""
+        records = self.records()
+        for shard, sync in self.syncs.items():
+            holders = [pid for pid, r in view.shard_donors(records, shard).items() if r.certified > round_]
+            random.shuffle(holders)  # never an order a peer can choose
+            known, certificate = agreed_certificate(sync, round_, [p for p in holders if p != self.me], MANIFEST_S)
+            sync.adopt(certificate, known)
+            if not known:
+                logger.info("shard %d: no manifest of round %d states its certificate; following the members that "
+                            "decide rounds until one does", shard, round_)  # fmt: skip
 
     def holders(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
         """The peers holding any shard we hold: who may serve us a shard's state (each shard from its holders,

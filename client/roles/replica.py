@@ -109,6 +109,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self._served_mark = 0
         self.apply_phases_s: dict[str, float] = {}
         """Seconds the last `apply` spent applying, evaluating and checkpointing (`RoundRecord.phases_s`)."""
+        self.lost_round = False
+        """The last `apply` could neither finish the round's upkeep nor load a state: we hold θ(t) again."""
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
 
     # ------------------------------------------------------------------------------------------- role hooks
@@ -367,10 +369,12 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
             return
         new = {s: o.new_tensors for s, o in outcomes.items() if o.new_tensors is not None}
         missing = [s for s in self.syncs if s not in new]
+        void: frozenset[int] = frozenset()
         if missing:
             how, size, rebuilt = self.obtain(flight, missing)
             self.failed_settles = self.failed_settles + 1 if how == "failed" else 0
             settled.caught_up, settled.catch_up_bytes = how, size
+            void = frozenset(s for s, got in rebuilt.items() if not got.digests)  # as we saw it, or its members
             for shard, got in rebuilt.items():
                 new[shard] = got.tensors
                 pending = flight.pendings.get(shard)
@@ -388,9 +392,12 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         else:
             self.failed_settles = 0
         self.drop_unused(flight, outcomes)
-        void = frozenset(missing) if settled.caught_up == "void" else frozenset()
-        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress, void=void)
+        cut_off = settled.caught_up == "void" and void == set(self.syncs)
+        eval_loss = self.apply(new, flight.round + 1, flight, progress=progress, void=void, cut_off=cut_off)
         settled.phases_s = self.apply_phases_s
+        if self.lost_round:
+            settled.caught_up = "failed"
+            self.failed_settles += 1
         self.record_round(flight.round, flight, eval_loss, settled)
 
     def apply(
@@ -401,15 +408,17 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         caught_up: tuple[str, int] | None = None,
         progress: dict[int, list[Tensor]] | None = None,
         void: frozenset[int] = frozenset(),
+        cut_off: bool = False,
     ) -> float | None:
         """Make θ(t+1) ours: parameters, subspace upkeep, start point, record, served state; eval and checkpoint
         it; then put back `progress`, the local progress made since the deadline (overlap). Returns the eval loss.
 
-        `void`: shards whose round nobody completed (they keep θ(t)). T_fixed follows shard 0's round alone (the
-        embedding's; `tables_move`): a round certified for shard 0 and void for shard 1 moves it exactly as on a
-        stage 0 peer, which holds shard 0 alone. Our certified round moves unless every shard was void (then we may
-        be the cut-off side, which catches up from its certified round): a replica that certified shard 0 and voided
-        shard 1 must say so, or a member catching up finds no donor for shard 1's void round.
+        `void`: shards whose round nobody completed (they keep θ(t)), as we saw it or as the round's members served
+        it (a void manifest is a void round, rebuilt or not). T_fixed follows shard 0's round alone (the embedding's;
+        `tables_move`): a round certified for shard 0 and void for shard 1 moves it exactly as on a stage 0 peer,
+        which holds shard 0 alone. Our certified round moves unless we voided every shard ourselves (`cut_off`: we
+        may be the cut-off side, which catches up from its certified round): a replica that certified shard 0 and
+        voided shard 1 must say so, or a member catching up finds no donor for shard 1's void round.
 
         A round rebuilt while catching up (`caught_up`: how, and the bytes it cost) is recorded here, and not
         evaluated: the other stages of a virtual replica are not in an eval pass then."""
@@ -421,13 +430,17 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         if not self.tables_move(void):  # a void round moved nothing: θ(t) and T_fixed(t) stay as they were
             self.embed_change = None
         elif not self.upkeep(new_round):
-            self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s)
+            self.lost_round = self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s) is None
+            if self.lost_round:  # θ(t+1) without its tables is nobody's state: back to θ(t), caught up later
+                for shard, tensors in self.start.items():
+                    self.set_params(shard, tensors)
             rebase(self.params, progress)
             return None
+        self.lost_round = False
         self.adopt_start()
         self.round = new_round
-        if set(self.syncs) - void:  # some shard's round was certified: we are not cut off, and a void shard's
-            self.certified = new_round  # θ(t) is what every member that completed the round holds of it too
+        if not cut_off:  # a void shard's θ(t) is what every member that completed the round holds of it too
+            self.certified = new_round
         self.publish_state()
         self.announce()
         applied = time.perf_counter()
