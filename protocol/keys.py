@@ -39,6 +39,12 @@ def seals_key(run_id: str, shard: int, round_: int) -> str:
     return f"{run_prefix(run_id)}_seals{shard}_{round_}"
 
 
+def certificates_key(run_id: str, shard: int, round_: int) -> str:
+    """DHT key of the certificate of one shard's round as the members that decided it hold it (subkey: each of
+    them; `protocol/quorum.py`)."""
+    return f"{run_prefix(run_id)}_certs{shard}_{round_}"
+
+
 def blob_handler_name(run_id: str) -> str:
     """P2P stream handler that serves a peer's round payloads and shard states."""
     return f"{KEY_PREFIX}.{run_id}.blob"

@@ -10,13 +10,15 @@ majority can rebuild forward from its messages.
 The members of the new certificate are the authors of the round's set, which every member that certified it holds
 alike, so the next round's base is the same for all of them (it was the sealers each member happened to read,
 which differed under churn and let two sets each win a different base). A member that took round t's result from
-others takes this certificate from their manifests (`protocol/round_wire.py`), never from the seals it happens to
-read (that was the kill soak's last fork: a restarted member's base from the DHT's seals certified a second set). A joiner is admitted by stating in time
-for a round's set, though it does not count towards the quorum of the round it joins. A member of the base that
-crashed still counts against the quorum, since a crash and a partition look the same from inside; after
-`patience` rounds without a certificate, base members whose peer records are gone are dropped from the base, so
-survivors of a crash (or of peers that left) go on. The price: a partition longer than `patience` rounds lets both
-sides go on (each sees the other's records expire)."""
+others takes this certificate from what the deciders stored (in the DHT, `client/outer/roster_round.py`, or in their
+manifests, `protocol/round_wire.py`), never from the seals it happens to read (the kill soak's last fork: a restarted
+member's base from the DHT's seals certified a second set); knowing none, it seals but decides nothing (`follows`).
+
+A joiner is admitted by stating in time for a round's set, though it does not count towards the quorum of the round
+it joins. A member of the base that crashed still counts against the quorum, since a crash and a partition look the
+same from inside; after `patience` rounds without a certificate, base members whose peer records are gone are
+dropped from the base, so survivors of a crash (or of peers that left) go on. The price: a partition longer than
+`patience` rounds lets both sides go on (each sees the other's records expire)."""
 
 from __future__ import annotations
 

@@ -129,19 +129,19 @@ def manifest_certificate(manifest: dict[str, Any]) -> Certificate | None:
     return Certificate.from_dict(manifest["certificate"])
 
 
-def _is_certificate(raw: Any, round_: int) -> bool:
-    """None, or a certificate of round `round_` or earlier naming at most MAX_MANIFEST_MEMBERS peer ids."""
-    if raw is None:
-        return True
+def parse_certificate(raw: Any, round_: int) -> Certificate | None:
+    """A certificate of round `round_` or earlier as a peer sent it (in a manifest, or in the DHT), strictly checked:
+    at most MAX_MANIFEST_MEMBERS peer ids; None if it is not one."""
     certificate = Certificate.from_dict(raw)
-    return (
-        certificate is not None
-        and set(raw) == CERTIFICATE_FIELDS
-        and 0 <= certificate.round <= round_
-        and bool(HEX.match(certificate.start_fp))
-        and len(raw["members"]) <= MAX_MANIFEST_MEMBERS
-        and all(0 < len(m) <= MAX_NAME_CHARS for m in certificate.members)
-    )
+    if certificate is None or set(raw) != CERTIFICATE_FIELDS or not 0 <= certificate.round <= round_:
+        return None
+    if not HEX.match(certificate.start_fp) or len(raw["members"]) > MAX_MANIFEST_MEMBERS:
+        return None
+    return certificate if all(0 < len(m) <= MAX_NAME_CHARS for m in certificate.members) else None
+
+
+def _is_certificate(raw: Any, round_: int) -> bool:
+    return raw is None or parse_certificate(raw, round_) is not None
 
 
 def _is_manifest_member(m: Any) -> bool:

@@ -6,6 +6,7 @@ the round instead of applying it, and the whole swarm certifies the next one fro
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -161,9 +162,11 @@ def test_a_message_whose_author_died_comes_from_a_member_that_verified_it_or_the
 @pytest.mark.timeout(180)
 def test_a_member_that_loaded_a_state_seals_for_the_deciders_and_takes_their_base_from_the_manifest() -> None:
     """The kill soak's last fork: a member that loaded a state took its quorum base from the seals it read, another
-    base than the deciders', and certified a second set of one round. Not knowing the deciders' base, it now only
-    seals (its seal still counts for them) and takes the result, and with it their certificate, from a manifest."""
+    base than the deciders', and certified a second set of one round. Now it reads the certificate the deciders
+    stored in the DHT; when none is there, it only seals (its seal still counts for them) and takes the result, and
+    with it their certificate, from a manifest."""
     from hetero_node.client.outer.catch_up import catch_up_shard
+    from hetero_node.client.outer.roster_round import latest_certificate
 
     with swarm(3) as runtimes:
         stop = threading.Event()
@@ -173,14 +176,23 @@ def test_a_member_that_loaded_a_state_seals_for_the_deciders_and_takes_their_bas
         theta = first[0].new_tensors
         assert theta is not None and all(s.certificate is not None and len(s.certificate.members) == 3 for s in syncs)
 
-        deciding, loaded = syncs[1], syncs[2]  # syncs[0] is gone for round 1
-        loaded.adopt(None, known=False)  # as after a state whose round no manifest told the certificate of
-        decider, follower = contribute([deciding, loaded], 1, theta, seed=10)
+        def stored(before: int) -> Certificate | None:
+            return latest_certificate(runtimes[2], run_config().run_id, 0, before, 10**6, stop)
+
+        deadline = time.monotonic() + 30  # stores are fire-and-forget: poll until the DHT shows them
+        while stored(1) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stored(1) == syncs[0].certificate and stored(3) == syncs[0].certificate  # void rounds 1, 2 store none
+        assert stored(20) is None  # nothing decided in the 8 rounds before round 20: unknown
+
+        deciding, loaded = syncs[1], syncs[2]  # syncs[0] is gone for round 20
+        loaded.adopt(None, known=False)  # as after a state whose round no record nor manifest told the base of
+        decider, follower = contribute([deciding, loaded], 20, theta, seed=10)
         assert decider.new_tensors is not None and decider.contributors == 2  # 2 of the base of 3: the follower's seal
         assert follower.new_tensors is None and not follower.uncertified and follower.deferred
 
-        got = catch_up_shard(loaded, 1, theta, fingerprint(theta), [deciding.me], 10.0)
+        got = catch_up_shard(loaded, 20, theta, fingerprint(theta), [deciding.me], 10.0)
         assert got is not None and fingerprint(got.tensors) == fingerprint(decider.new_tensors)
         assert got.certificate == deciding.certificate and got.certificate.members == {deciding.me, loaded.me}
         loaded.adopt(got.certificate)
-        assert not loaded.follows and loaded.quorum(2, [], []) == deciding.quorum(2, [], [])  # one base for both
+        assert not loaded.follows and loaded.quorum(21, [], []) == deciding.quorum(21, [], [])  # one base for both

@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.runtime import PeerRuntime
-from hetero_node.protocol.keys import roster_key, seals_key
+from hetero_node.protocol.keys import certificates_key, roster_key, seals_key
+from hetero_node.protocol.quorum import Certificate
 from hetero_node.protocol.roster import Seal, Vote, decided, tally, undecidable
-from hetero_node.protocol.round_wire import GroupMeta
+from hetero_node.protocol.round_wire import GroupMeta, parse_certificate
 from hetero_node.protocol.swarm_key import is_member
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,25 @@ class RosterRound:
             else:
                 statements[author] = meta
         return statements
+
+    def certify(self, certificate: Certificate) -> None:
+        """Store the round's certificate as we decided it: a member that later loads the state this round led to
+        reads it (`latest_certificate`), even once every member that decided the round is gone."""
+        key = certificates_key(self.run_id, self.shard, self.round)
+        self.runtime.store_signed(key, certificate.to_dict(), LIFETIME_S)
+
+    def certificates(self) -> Counter[Certificate] | None:
+        """The certificates of this round its deciders stored, each with how many stored it (a decider lists itself
+        among its members: anything else is left out); None when the DHT did not answer."""
+        found = self.runtime.read_signed(certificates_key(self.run_id, self.shard, self.round), READ_TIMEOUT_S)
+        if found is None:
+            return None
+        stated: Counter[Certificate] = Counter()
+        for signer, raw in found.items():
+            certificate = parse_certificate(raw, self.round)
+            if certificate is not None and certificate.round == self.round and signer in certificate.members:
+                stated[certificate] += 1
+        return stated
 
     def seals(self) -> dict[str, Seal] | None:
         """Well-formed seals of this round by sealer; None when the DHT did not answer."""
@@ -136,3 +157,23 @@ class RosterRound:
             latest = self.seals()
             if latest is not None:
                 seals = [*(s for name, s in latest.items() if name != ours.sealer), ours]
+
+
+CERTIFICATE_LOOKBACK = 8
+"""Rounds back from a loaded state's that `latest_certificate` reads: void rounds store no certificate."""
+
+
+def latest_certificate(
+    runtime: PeerRuntime, run_id: str, shard: int, before: int, max_size: int, stop: threading.Event
+) -> Certificate | None:
+    """The certificate of the latest round before `before` that members decided, as most of its deciders stored it
+    in the DHT: the quorum base of round `before` for every member that decided the rounds up to it. None when the
+    DHT did not answer, two certificates are stated alike, or none is stored in `CERTIFICATE_LOOKBACK` rounds."""
+    for round_ in range(before - 1, max(-1, before - 1 - CERTIFICATE_LOOKBACK), -1):
+        stated = RosterRound(runtime, run_id, shard, round_, max_size, stop).certificates()
+        if stated is None or stop.is_set():
+            return None
+        best = stated.most_common(2)
+        if best:
+            return best[0][0] if len(best) == 1 or best[1][1] < best[0][1] else None
+    return None

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.outer.heal import Applied, heal
-from hetero_node.client.outer.roster_round import RosterRound
+from hetero_node.client.outer.roster_round import RosterRound, latest_certificate
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
@@ -246,6 +246,11 @@ class ShardSync:
             self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
         )
         pending.expected, pending.close = max(2, len(coming)), scheduled_time
+        if self.follows:  # the deciders may have stored the certificate we lack since (one DHT read, followers only)
+            stored = latest_certificate(self.runtime, self.run.run_id, self.shard, pending.round,
+                                        self.method.max_message_bytes, self.stop)  # fmt: skip
+            if stored is not None:
+                self.adopt(stored)
         pending.base = self.quorum(pending.round, coming, live)
         logger.info("shard %d round %d: %d members expected, sealing by DHT time %.1f",
                     self.shard, pending.round, pending.expected, scheduled_time)  # fmt: skip
@@ -317,6 +322,7 @@ class ShardSync:
             logger.warning("shard %d round %d: no other member sealed with us", self.shard, pending.round)
             return ShardOutcome(new_tensors=None, group_size=len(members), deferred=owed)
         self.certificate = Certificate(pending.round, frozenset(won.authors), majority)
+        roster.certify(self.certificate)
         agreed_at = time.perf_counter()
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
@@ -525,6 +531,8 @@ class ShardSync:
             self._not_certified(pending, frozenset({self.me}))
             return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
         self.certificate = Certificate(pending.round, frozenset({self.me}), pending.meta.start_fp)
+        RosterRound(self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes,
+                    self.stop).certify(self.certificate)  # fmt: skip
         if pending.payload is None:
             return ShardOutcome([s.clone() for s in pending.start], 1, 0)
         mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.outer.catch_up import agreed_certificate
+from hetero_node.client.outer.roster_round import latest_certificate
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.swarm import view
@@ -89,17 +90,23 @@ class HeldState:
         return size
 
     def adopt_certificates(self, round_: int) -> None:
-        """After loading θ(t+1) (t = `round_`): each shard's next quorum base, the certificate round t's members
-        state in their manifests; a shard whose certificate none states follows the deciders until one does."""
+        """After loading θ(t+1) (t = `round_`): each shard's next quorum base, the certificate of the latest round
+        up to t that members decided, as its deciders stored it in the DHT, else as round t's manifests state it; a
+        shard whose certificate neither tells follows the deciders until a manifest does."""
         records = self.records()
         for shard, sync in self.syncs.items():
+            stored = latest_certificate(self.runtime, self.run_cfg.run_id, shard, round_ + 1,
+                                        sync.method.max_message_bytes, self.stop)  # fmt: skip
+            if stored is not None:
+                sync.adopt(stored)
+                continue
             holders = [pid for pid, r in view.shard_donors(records, shard).items() if r.certified > round_]
             random.shuffle(holders)  # never an order a peer can choose
             known, certificate = agreed_certificate(sync, round_, [p for p in holders if p != self.me], MANIFEST_S)
             sync.adopt(certificate, known)
             if not known:
-                logger.info("shard %d: no manifest of round %d states its certificate; following the members that "
-                            "decide rounds until one does", shard, round_)  # fmt: skip
+                logger.info("shard %d: no record nor manifest of round %d states its certificate; following the "
+                            "members that decide rounds until one does", shard, round_)  # fmt: skip
 
     def holders(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
         """The peers holding any shard we hold: who may serve us a shard's state (each shard from its holders,
