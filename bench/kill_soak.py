@@ -227,7 +227,10 @@ def recovery(
     also the restart's startup (kill to checkpoint resumed, in seconds and in the swarm's rounds meanwhile), the
     rounds from then to contributing, and whether another fault hit the peer or its pipeline before it did."""
     records = per_peer[event["peer"]]
-    back = [t for t, r in sorted(records.items()) if t >= event["swarm_round"] and r.get("contributed")]
+    back = [  # a round it contributed to before the fault does not count, though the swarm had not recorded it yet
+        t for t, r in sorted(records.items())
+        if t >= event["swarm_round"] and r.get("contributed") and r["ended_at"] > event["at_wall"]
+    ]  # fmt: skip
     out = {**event, "rounds_to_contribute": (back[0] - event["swarm_round"]) if back else None}
     if event["fault"] != "kill":
         return out

@@ -9,15 +9,23 @@ the same key while the first leader still counted it, and two groups then applie
 2. **Seal.** Once every member the records show coming has a statement (or at the round's close), a member stores
    the set of statements it sees that start from the round's θ(t): its seal, signed the same way, **once**: a seal
    is a vote and is never changed.
-3. **Tally.** Once the members it sealed have sealed too (or a short while later), a member counts who sealed each
-   set (`tally`); the set sealed by more than half of the round's quorum base (`protocol/quorum.py`) is the round's
-   (`decided`), and its authors are the next round's base.
+3. **Tally.** Once the members it sealed have sealed too (or a short while later), a member counts, for each
+   statement, how many members of the round's quorum base (`protocol/quorum.py`) sealed a set holding it: it is
+   **in** once more than half of the base did, **out** once that can no longer happen (its votes plus the base
+   members not heard from are at most half). The round's set is every statement that is in (`decided`), once more
+   than half of the base has sealed and every statement any of them listed is in or out; its authors are the next
+   round's base.
 
-Two sets cannot both hold more than half of one base's votes when nobody votes twice, so every member that decides
-the round decides the same set, whatever seals it read and in whatever order; a member that read too few votes
-decides nothing and takes the round's result from those that did (`client/roles/catch_up_driver.py: obtain`).
-(The first version let a member re-seal a grown union; a re-sealed vote could then count in two quorums, and the
-kill soak showed two members applying different sets of one round.) This module is the pure part (the wire format
+Every member that decides the round decides the same set, whatever seals it read and in whatever order, as long as
+nobody votes twice and all use one base: a statement in for one reader has more than half of the base's votes, so
+no reader sees it out; and a reader that heard from more than half of the base has seen every statement that is in
+(two majorities share a member). A statement that reached some sealers late is out, and the rest of the set still
+counts: the first rule (a set counted only when more than half sealed exactly it) voided every round in which a
+restarted member's statement came late, and restarted peers took 2–5 rounds to contribute. A member that read too
+few votes decides nothing and takes the round's result from those that did (`client/roles/catch_up_driver.py:
+obtain`). (The first version let a member re-seal a grown union; a re-sealed vote could then count in two quorums,
+and the kill soak showed two members applying different sets of one round. A member restarted mid-round keeps the
+seal it stored before, `ShardSync.resumed_at`.) This module is the pure part (the wire format
 and the rules); `client/outer/roster_round.py` moves it through the DHT.
 """
 
@@ -28,7 +36,6 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hetero_node.protocol.quorum import certifies
 from hetero_node.protocol.round_wire import HEX, MAX_TOKENS, PROOF
 
 MAX_SEALED = 512
@@ -106,7 +113,7 @@ class Seal:
 
 @dataclass(frozen=True)
 class Vote:
-    """One set of statements of a round and who sealed exactly it."""
+    """A round's decided set of statements, and the base members whose seals the decision read."""
 
     entries: tuple[Entry, ...]
     sealers: frozenset[str]
@@ -116,27 +123,44 @@ class Vote:
         return [e.author for e in self.entries]
 
 
-def tally(seals: Iterable[Seal], start_fp: str) -> list[Vote]:
-    """Every set sealed from `start_fp`, with its sealers, most sealers first (then by entries): the same list for
-    every reader of the same seals, whatever order they come in."""
-    sealers: dict[tuple[Entry, ...], set[str]] = defaultdict(set)
-    for seal in seals:
-        if seal.start_fp == start_fp:
-            sealers[seal.entries].add(seal.sealer)
-    return sorted((Vote(entries, frozenset(by)) for entries, by in sealers.items()),
-                  key=lambda v: (-len(v.sealers), v.entries))  # fmt: skip
+def ballots(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> dict[str, frozenset[Entry]]:
+    """What each member of `base` that sealed voted for: the statements its seal lists, or none when it sealed
+    another start (its vote counts against every statement from `start_fp`)."""
+    return {
+        x.sealer: frozenset(x.entries) if x.start_fp == start_fp else frozenset() for x in seals if x.sealer in base
+    }
 
 
-def decided(votes: list[Vote], base: frozenset[str]) -> Vote | None:
-    """The set more than half of `base` sealed (at most one exists: nobody votes twice); None while there is none."""
-    return next((vote for vote in votes if certifies(vote.sealers, base)), None)
+def standing(votes: dict[str, frozenset[Entry]], base: frozenset[str]) -> tuple[frozenset[Entry], frozenset[Entry]]:
+    """(in, pending): the statements more than half of `base` voted for, and those still undecided (in neither that
+    nor out: their votes plus the base members not heard from are more than half). Every other statement listed is
+    out."""
+    unheard = len(base) - len(votes)
+    yes: dict[Entry, int] = defaultdict(int)
+    for entries in votes.values():
+        for entry in entries:
+            yes[entry] += 1
+    chosen = frozenset(e for e, n in yes.items() if 2 * n > len(base))
+    pending = frozenset(e for e, n in yes.items() if e not in chosen and 2 * (n + unheard) > len(base))
+    return chosen, pending
 
 
-def undecidable(votes: list[Vote], base: frozenset[str]) -> bool:
-    """No set can reach a quorum of `base` any more, even if every base member that has not sealed yet seals it."""
-    voted = frozenset().union(*(vote.sealers for vote in votes))
-    best = max((len(vote.sealers & base) for vote in votes), default=0)
-    return bool(base) and 2 * (best + len(base - voted)) <= len(base)
+def decided(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> Vote | None:
+    """The round's set as these seals show it (the module docstring's rule): None while a statement is still
+    undecided, or when no statement is in (nothing to apply)."""
+    votes = ballots(seals, start_fp, base)
+    chosen, pending = standing(votes, base)
+    if pending or not chosen:  # (a statement in means more than half of the base sealed: all that is in is seen)
+        return None
+    return Vote(tuple(sorted(chosen)), frozenset(votes))
+
+
+def undecidable(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> bool:
+    """No statement can be in any more, whatever the base members not heard from seal: every one listed is out, and
+    those members are too few to bring one in alone."""
+    votes = ballots(seals, start_fp, base)
+    chosen, pending = standing(votes, base)
+    return bool(base) and not chosen and not pending and 2 * (len(base) - len(votes)) <= len(base)
 
 
 K = TypeVar("K")

@@ -1,5 +1,5 @@
 """One shard's round through the DHT roster (`protocol/roster.py`): our statement, our seal once the round's members
-are in, and the tally of the seals once the members we sealed have sealed too.
+are in, and the tally of the seals once the members we sealed have sealed too; the round's certificate once decided.
 
 Every wait is bounded (hivemind pitfall C): statements by the round's close (its deadline plus grace), seals by
 `seal_wait_s` past the later of the close and our own seal. The happy path costs a store and a read more than the
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import certificates_key, roster_key, seals_key
 from hetero_node.protocol.quorum import Certificate
-from hetero_node.protocol.roster import Seal, Vote, decided, tally, undecidable
+from hetero_node.protocol.roster import Seal, Vote, decided, undecidable
 from hetero_node.protocol.round_wire import GroupMeta, parse_certificate
 from hetero_node.protocol.swarm_key import is_member
 
@@ -144,15 +144,16 @@ class RosterRound:
         return [*(s for name, s in seals.items() if name != ours.sealer), ours]
 
     def decide(self, ours: Seal, seals: list[Seal], base: frozenset[str], wait_s: float) -> Vote | None:
-        """The set more than half of `base` sealed, once the seals show one; None when none can be any more, or
-        none did within `wait_s`. Our seal never changes (it is a vote); when every seal is alike (the happy path)
-        it returns at once, with no store or read more."""
+        """The round's set once the seals decide it (`protocol/roster.py`); None when none can be any more, or the
+        seals did not decide one within `wait_s`. Our seal never changes (it is a vote); when every seal is alike
+        (the happy path) it returns at once, with no store or read more."""
         give_up = time.monotonic() + wait_s
         while True:
-            votes = tally(seals, ours.start_fp)
-            won = decided(votes, base)
-            if won is not None or undecidable(votes, base) or time.monotonic() >= give_up or self.stop.is_set():
+            won = decided(seals, ours.start_fp, base)
+            if won is not None or undecidable(seals, ours.start_fp, base):
                 return won
+            if time.monotonic() >= give_up or self.stop.is_set():
+                return None
             self.stop.wait(POLL_S)
             latest = self.seals()
             if latest is not None:

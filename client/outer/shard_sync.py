@@ -206,6 +206,9 @@ class ShardSync:
         self.certificate: Certificate | None = None
         """The last round of this shard we certified, or whose result we took from members that did (their
         manifest states it): its authors are the next round's quorum base."""
+        self.resumed_at: int | None = None
+        """The round our checkpoint resumed at: we may have sealed it before the restart, and a seal is a vote that
+        never changes (a second one could count in two quorums), so that round keeps the seal the DHT holds."""
         self.follows = False
         """Our θ came from a state whose round's certificate no manifest told us: our base may not be the deciders',
         so we state and seal but take each round's result from the members that decide it, until a manifest tells
@@ -303,8 +306,19 @@ class ShardSync:
             return ShardOutcome(new_tensors=None, group_size=len(statements))
         entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
-        roster.seal(ours)
         owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
+        earlier: dict[str, Seal] | None = {}
+        if pending.round == self.resumed_at:  # we may have voted in this round before a restart: that vote stands
+            self.resumed_at, earlier = None, roster.seals()
+        if earlier is None:  # not knowing our vote, we cast none: the result comes from those that decide
+            return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
+        if self.me in earlier:
+            logger.info("shard %d round %d: keeping the seal we stored before restarting", self.shard, pending.round)
+            ours = earlier[self.me]
+            if ours.start_fp != majority:  # that vote was for another start: this one's set comes from others
+                return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
+        else:
+            roster.seal(ours)
         if self.follows:  # our seal counts for the deciders; the result comes from them (`obtain`)
             logger.info("shard %d round %d: sealed; taking the result from the members that decide it (our quorum "
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip

@@ -158,6 +158,7 @@ class HeldState:
         certificates = state.get("certificates") or {}
         for shard, sync in self.syncs.items():  # restarted, a member alone must not certify the rounds it missed
             sync.certificate = Certificate.from_dict(certificates.get(str(shard)))
+            sync.resumed_at = int(state["round"])
         self.adopt_start()
         self.round = int(state["round"])
         self.certified = int(state.get("certified", self.round))
