@@ -73,7 +73,7 @@ class RosterRound:
 
     def certify(self, certificate: Certificate) -> None:
         """Store the round's certificate as we decided it: a member that later loads the state this round led to
-        reads it (`latest_certificate`), even once every member that decided the round is gone."""
+        reads it (`round_certificate`), even once every member that decided the round is gone."""
         key = certificates_key(self.run_id, self.shard, self.round)
         self.runtime.store_signed(key, certificate.to_dict(), LIFETIME_S)
 
@@ -160,21 +160,21 @@ class RosterRound:
                 seals = [*(s for name, s in latest.items() if name != ours.sealer), ours]
 
 
-CERTIFICATE_LOOKBACK = 8
-"""Rounds back from a loaded state's that `latest_certificate` reads: void rounds store no certificate."""
-
-
-def latest_certificate(
-    runtime: PeerRuntime, run_id: str, shard: int, before: int, max_size: int, stop: threading.Event
+def round_certificate(
+    runtime: PeerRuntime, run_id: str, shard: int, round_: int, max_size: int, stop: threading.Event, wait_s: float
 ) -> Certificate | None:
-    """The certificate of the latest round before `before` that members decided, as most of its deciders stored it
-    in the DHT: the quorum base of round `before` for every member that decided the rounds up to it. None when the
-    DHT did not answer, two certificates are stated alike, or none is stored in `CERTIFICATE_LOOKBACK` rounds."""
-    for round_ in range(before - 1, max(-1, before - 1 - CERTIFICATE_LOOKBACK), -1):
-        stated = RosterRound(runtime, run_id, shard, round_, max_size, stop).certificates()
-        if stated is None or stop.is_set():
-            return None
-        best = stated.most_common(2)
+    """The certificate of round `round_` as most of the members that decided it stored it in the DHT (the next
+    round's quorum base for all of them), read until one shows or `wait_s` passed (their stores are on their way
+    while the state they lead to is already served); None if none does (or two are stated alike). Only this round:
+    an older round's certificate would be another base than the deciders' whenever this one's is merely late (the
+    soak's fork of round 9); a void round stores none, and its base comes from the manifests instead."""
+    give_up = time.monotonic() + wait_s
+    roster = RosterRound(runtime, run_id, shard, round_, max_size, stop)
+    while not stop.is_set():
+        best = (roster.certificates() or Counter()).most_common(2)
         if best:
             return best[0][0] if len(best) == 1 or best[1][1] < best[0][1] else None
+        if time.monotonic() >= give_up:
+            return None
+        stop.wait(POLL_S)
     return None

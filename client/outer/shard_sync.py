@@ -52,7 +52,7 @@ from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.outer.heal import Applied, heal
-from hetero_node.client.outer.roster_round import RosterRound, latest_certificate
+from hetero_node.client.outer.roster_round import RosterRound, round_certificate
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
@@ -250,13 +250,15 @@ class ShardSync:
         )
         pending.expected, pending.close = max(2, len(coming)), scheduled_time
         if self.follows:  # the deciders may have stored the certificate we lack since (one DHT read, followers only)
-            stored = latest_certificate(self.runtime, self.run.run_id, self.shard, pending.round,
-                                        self.method.max_message_bytes, self.stop)  # fmt: skip
+            stored = round_certificate(self.runtime, self.run.run_id, self.shard, pending.round - 1,
+                                       self.method.max_message_bytes, self.stop, wait_s=0.0)  # fmt: skip
             if stored is not None:
                 self.adopt(stored)
         pending.base = self.quorum(pending.round, coming, live)
-        logger.info("shard %d round %d: %d members expected, sealing by DHT time %.1f",
-                    self.shard, pending.round, pending.expected, scheduled_time)  # fmt: skip
+        since = "none" if self.certificate is None else self.certificate.round
+        logger.info("shard %d round %d: %d members expected, sealing by DHT time %.1f; base %s (certificate of round "
+                    "%s)", self.shard, pending.round, pending.expected, scheduled_time,
+                    ",".join(sorted(m[-6:] for m in pending.base)), since)  # fmt: skip
         pending.roster.state(pending.meta)
 
     def drop(self, pending: PendingRound) -> None:
@@ -348,10 +350,11 @@ class ShardSync:
         self.certificate, self.follows = (certificate, False) if known else (None, True)
 
     def _not_certified(self, pending: PendingRound, sealers: frozenset[str]) -> None:
-        """No set was sealed by more than half of the round's quorum base: we void it, so the minority side of a
-        partition never moves on alone (the majority's result, if there is one, comes from `obtain`)."""
+        """The seals decided no set (too few of the round's quorum base sealed, or nothing they sealed reached more
+        than half of it): we void it, so the minority side of a partition never moves on alone (the majority's
+        result, if there is one, comes from `obtain`)."""
         logger.warning(
-            "shard %d round %d: not certified: no set sealed by more than half of the %d members of its quorum base "
+            "shard %d round %d: not certified: no statement sealed by more than half of the %d members of its base "
             "(%d of them sealed: %s); voiding it unless a majority did", self.shard, pending.round, len(pending.base),
             len(sealers & pending.base), ", ".join(sorted(pending.base & sealers)) or "-",
         )  # fmt: skip

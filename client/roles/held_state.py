@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.outer.catch_up import agreed_certificate
-from hetero_node.client.outer.roster_round import latest_certificate
+from hetero_node.client.outer.roster_round import round_certificate
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.swarm import view
@@ -28,6 +28,9 @@ from hetero_node.protocol.records import PeerRecord
 
 logger = logging.getLogger(__name__)
 
+CERTIFICATE_WAIT_S = 3.0
+"""How long a member that loaded a state waits for the round's certificate to show in the DHT (its deciders stored
+it before serving the state, but a DHT store takes a moment to reach every reader)."""
 MANIFEST_S = 5.0
 """One manifest fetch while adopting a loaded state's certificate: a few kilobytes from a peer that holds it."""
 
@@ -90,13 +93,13 @@ class HeldState:
         return size
 
     def adopt_certificates(self, round_: int) -> None:
-        """After loading θ(t+1) (t = `round_`): each shard's next quorum base, the certificate of the latest round
-        up to t that members decided, as its deciders stored it in the DHT, else as round t's manifests state it; a
-        shard whose certificate neither tells follows the deciders until a manifest does."""
+        """After loading θ(t+1) (t = `round_`): each shard's next quorum base, round t's certificate as its deciders
+        stored it in the DHT, else as round t's manifests state it (a void round's state the older one their servers
+        hold); a shard whose certificate neither tells follows the deciders until a manifest does."""
         records = self.records()
         for shard, sync in self.syncs.items():
-            stored = latest_certificate(self.runtime, self.run_cfg.run_id, shard, round_ + 1,
-                                        sync.method.max_message_bytes, self.stop)  # fmt: skip
+            stored = round_certificate(self.runtime, self.run_cfg.run_id, shard, round_,
+                                       sync.method.max_message_bytes, self.stop, CERTIFICATE_WAIT_S)  # fmt: skip
             if stored is not None:
                 sync.adopt(stored)
                 continue
