@@ -44,7 +44,7 @@ class CatchingUp:
             void = frozenset(s for s, r in rebuilt.items() if not r.digests)  # its members served a void round
             new = {s: r.tensors for s, r in rebuilt.items()}
             self.apply(new, self.certified + 1, caught_up=("messages", size), void=void)
-            if self.lost_round:  # its upkeep failed and no state came: the next round's catch-up tries again
+            if self.upkeep_fallback is not None:  # its upkeep failed: a state came instead, or the next try is later
                 break
         if ahead > self.certified and not self.stop.is_set():
             size = self.load_state(min_round=ahead, wait_s=0.0)

@@ -109,8 +109,9 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self._served_mark = 0
         self.apply_phases_s: dict[str, float] = {}
         """Seconds the last `apply` spent applying, evaluating and checkpointing (`RoundRecord.phases_s`)."""
-        self.lost_round = False
-        """The last `apply` could neither finish the round's upkeep nor load a state: we hold θ(t) again."""
+        self.upkeep_fallback: str | None = None
+        """How the last `apply` ended when the round's upkeep failed: "state" (a peer's state replaced θ(t+1)), or
+        "failed" (no state came either: we hold θ(t) again and catch up later); None when the upkeep ran."""
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=run.outer.stages, thread_name_prefix="outer")
 
     # ------------------------------------------------------------------------------------------- role hooks
@@ -395,10 +396,13 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         cut_off = settled.caught_up == "void" and void == set(self.syncs)
         eval_loss = self.apply(new, flight.round + 1, flight, progress=progress, void=void, cut_off=cut_off)
         settled.phases_s = self.apply_phases_s
-        if self.lost_round:
-            settled.caught_up = "failed"
+        recorded = flight.round
+        if self.upkeep_fallback == "failed":
             self.failed_settles += 1
-        self.record_round(flight.round, flight, eval_loss, settled)
+        elif self.upkeep_fallback == "state":  # what we hold is a later round's state: recorded as that round's
+            recorded = self.round - 1
+        settled.caught_up = self.upkeep_fallback or settled.caught_up
+        self.record_round(recorded, flight, eval_loss, settled)
 
     def apply(
         self,
@@ -430,13 +434,14 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         if not self.tables_move(void):  # a void round moved nothing: θ(t) and T_fixed(t) stay as they were
             self.embed_change = None
         elif not self.upkeep(new_round):
-            self.lost_round = self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s) is None
-            if self.lost_round:  # θ(t+1) without its tables is nobody's state: back to θ(t), caught up later
+            loaded = self.load_state(min_round=new_round, wait_s=self.timeouts.round_timeout_s) is not None
+            self.upkeep_fallback = "state" if loaded else "failed"
+            if not loaded:  # θ(t+1) without its tables is nobody's state: back to θ(t), caught up later
                 for shard, tensors in self.start.items():
                     self.set_params(shard, tensors)
             rebase(self.params, progress)
             return None
-        self.lost_round = False
+        self.upkeep_fallback = None
         self.adopt_start()
         self.round = new_round
         if not cut_off:  # a void shard's θ(t) is what every member that completed the round holds of it too
