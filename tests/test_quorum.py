@@ -158,6 +158,14 @@ def test_a_message_whose_author_died_comes_from_a_member_that_verified_it_or_the
             late._collect_messages(receiving, [members[-1]], peers)
 
 
+def certified_round_zero(runtimes: list, stop: threading.Event) -> tuple[list[ShardSync], list[torch.Tensor]]:
+    """One member per runtime, and θ(1) of a round 0 every one of them certified."""
+    syncs = [ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(), stop) for r in runtimes]
+    theta = contribute(syncs, 0, [torch.full(s, 0.5) for s in SHAPES], seed=0)[0].new_tensors
+    assert theta is not None and all(s.certificate is not None and len(s.certificate.members) == 3 for s in syncs)
+    return syncs, theta
+
+
 @pytest.mark.multipeer
 @pytest.mark.timeout(180)
 def test_a_member_that_loaded_a_state_seals_for_the_deciders_and_takes_their_base_from_the_manifest() -> None:
@@ -170,11 +178,7 @@ def test_a_member_that_loaded_a_state_seals_for_the_deciders_and_takes_their_bas
 
     with swarm(3) as runtimes:
         stop = threading.Event()
-        syncs = [ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(), stop) for r in runtimes]
-        start = [torch.full(s, 0.5) for s in SHAPES]
-        first = contribute(syncs, 0, start, seed=0)
-        theta = first[0].new_tensors
-        assert theta is not None and all(s.certificate is not None and len(s.certificate.members) == 3 for s in syncs)
+        syncs, theta = certified_round_zero(runtimes, stop)
 
         def stored(round_: int, wait_s: float = 0.0) -> Certificate | None:
             return round_certificate(runtimes[2], run_config().run_id, 0, round_, 10**6, stop, wait_s)
@@ -205,11 +209,7 @@ def test_a_member_restarted_mid_round_keeps_the_seal_it_stored_before() -> None:
 
     with swarm(3) as runtimes:
         stop = threading.Event()
-        syncs = [ShardSync(r, run_config(), 0, SHAPES, SyncTimeouts(), stop) for r in runtimes]
-        start = [torch.full(s, 0.5) for s in SHAPES]
-        first = contribute(syncs, 0, start, seed=0)
-        theta = first[0].new_tensors
-        assert theta is not None
+        syncs, theta = certified_round_zero(runtimes, stop)
         contribute(syncs, 1, theta, seed=10)  # every member sealed round 1
         roster = RosterRound(runtimes[2], run_config().run_id, 0, 1, 10**6, stop)
         before = (roster.seals() or {}).get(syncs[2].me)

@@ -210,9 +210,10 @@ class ShardSync:
         """The round our checkpoint resumed at: we may have sealed it before the restart, and a seal is a vote that
         never changes (a second one could count in two quorums), so that round keeps the seal the DHT holds."""
         self.follows = False
-        """Our θ came from a state whose round's certificate no manifest told us: our base may not be the deciders',
-        so we state and seal but take each round's result from the members that decide it, until a manifest tells
-        us the certificate (`adopt`). Deciding against another base could certify a second set."""
+        """Our θ came from a state whose round's certificate neither the DHT nor a manifest told us: our base may not
+        be the deciders', so we state and seal but take each round's result from the members that decide it, until
+        a record or manifest tells us the certificate (`adopt`). Deciding against another base could certify a
+        second set."""
 
     @property
     def me(self) -> str:
@@ -345,8 +346,8 @@ class ShardSync:
         return outcome
 
     def adopt(self, certificate: Certificate | None, known: bool = True) -> None:
-        """θ came from others: take the certificate its holders hold (`known`: a manifest stated it), or, not
-        knowing it, follow the deciders until a manifest tells it (`follows`)."""
+        """θ came from others: take the certificate its holders hold (`known`: the DHT or a manifest stated it), or,
+        not knowing it, follow the deciders until one tells it (`follows`)."""
         self.certificate, self.follows = (certificate, False) if known else (None, True)
 
     def _not_certified(self, pending: PendingRound, sealers: frozenset[str]) -> None:
