@@ -131,21 +131,6 @@ def serve_node_metrics(
     return metrics
 
 
-def warm_model_building() -> None:
-    """Build a small model once on the meta device, in a background thread: torch's first meta build loads its meta
-    kernels (about 2 s on an idle 2-core machine, 5–7 s on a busy one), which sizing the run's shards needs later;
-    meanwhile the node mostly waits for p2pd and the network, so a restarted peer takes its role that much sooner."""
-
-    def build() -> None:
-        from hetero_node.models.config import get_preset
-        from hetero_node.models.transformer import Transformer
-
-        with torch.device("meta"):
-            Transformer(get_preset("tiny", vocab_size=256))
-
-    threading.Thread(target=build, name="warm-meta", daemon=True).start()
-
-
 def run_node(
     configs: dict[str, Any],
     explicit: set[str],
@@ -160,7 +145,6 @@ def run_node(
     from hetero_node.client.roles.full_replica import FullReplica  # after the cheap checks: torch-heavy
     from hetero_node.client.roles.stage_peer import StagePeer
 
-    warm_model_building()
     swarm_key = load_swarm_key(node.swarm_key)
     identity = node.identity or (node.checkpoint_dir / IDENTITY_NAME if node.checkpoint_dir is not None else None)
     runtime = reachable_runtime(
