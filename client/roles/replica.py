@@ -386,9 +386,9 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
                     outcomes[shard].deferred = False
             if how in ("state", "failed", "behind"):  # a state replaced ours, or we stay in round t for catch-up
                 self.drop_unused(flight, outcomes)
-                if how == "state":
+                if how == "state":  # a state of round t+1 or later: recorded under the round that led to it
                     rebase(self.params, progress)
-                self.record_round(flight.round, flight, None, settled)
+                self.record_round(self.round - 1 if how == "state" else flight.round, flight, None, settled)
                 return
         else:
             self.failed_settles = 0
