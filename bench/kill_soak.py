@@ -207,7 +207,7 @@ def analyse(
         "rounds_after_resuming": {"max": max(after_ready, default=None), "mean": _mean(after_ready)},
         "rounds_to_contribute_after_kill": {
             "max": max((k for k in kills if k is not None), default=None),
-            "mean": statistics.mean(k for k in kills if k is not None) if any(k is not None for k in kills) else None,
+            "mean": _mean([k for k in kills if k is not None]),
             "never": sum(1 for k in kills if k is None),
         },
         "not_exiting_0_on_sigterm": [name for name, e in exits.items() if e["code"] != 0],

@@ -14,11 +14,11 @@ shard's whole state (4·N bytes).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor
 
@@ -128,25 +128,16 @@ def agreed_certificate(
     """The certificate the members of `round_` hold after it, as the manifests of the first `CORROBORATING_DONORS`
     of `donors` that serve one state it (two alike, or the only donor's): (whether one was agreed, which). What a
     member that loaded a state of round `round_` + 1 takes as its base; without it, it follows the deciders."""
-    stated: Counter[str] = Counter()
-    found = 0
-    for donor in donors:
-        if found == CORROBORATING_DONORS:
-            break
-        got = fetch_manifest(sync, round_, donor, timeout_s)
-        if got is not None:
-            found += 1
-            stated[json.dumps(got[0]["certificate"], sort_keys=True)] += 1
-    best = stated.most_common(2)
-    if not best or (best[0][1] < 2 and len(donors) > 1) or (len(best) == 2 and best[1][1] == best[0][1]):
-        return False, None
-    return True, Certificate.from_dict(json.loads(best[0][0]))
+    manifests = _manifests(sync, round_, None, donors, timeout_s)
+    stated = Counter(manifest_certificate(manifest) for manifest, _ in manifests.values())
+    return _most_stated(stated, believe_lone=lambda _: len(donors) == 1)
 
 
 def _manifests(
-    sync: ShardSync, round_: int, start_fp: str, donors: list[str], timeout_s: float
+    sync: ShardSync, round_: int, start_fp: str | None, donors: list[str], timeout_s: float
 ) -> dict[str, tuple[dict, int]]:
-    """The first `CORROBORATING_DONORS` donors' manifests of `round_` that start where we are, with their sizes."""
+    """The first `CORROBORATING_DONORS` donors' manifests of `round_` that start where we are (`start_fp`; None: from
+    anywhere), with their sizes."""
     found: dict[str, tuple[dict, int]] = {}
     for donor in donors:
         if len(found) == CORROBORATING_DONORS:
@@ -155,7 +146,7 @@ def _manifests(
         if got is None:
             continue
         manifest, size = got
-        if manifest["start_fp"] != start_fp:
+        if start_fp is not None and manifest["start_fp"] != start_fp:
             logger.info("round %d manifest of %s starts from %s, not ours", round_, donor, manifest["start_fp"])
             continue
         found[donor] = (manifest, size)
@@ -176,24 +167,35 @@ def fetch_manifest(sync: ShardSync, round_: int, donor: str, timeout_s: float) -
         return None
 
 
-def _claim(manifest: dict[str, Any]) -> tuple[str, str]:
+def _claim(manifest: dict[str, Any]) -> tuple[str, Certificate | None]:
     """What a manifest states of its round's outcome: the result, and the certificate its members hold after it."""
-    return manifest["result_fp"], json.dumps(manifest["certificate"], sort_keys=True)
+    return manifest["result_fp"], manifest_certificate(manifest)
 
 
-def _corroborated(manifests: dict[str, tuple[dict, int]], alone: bool, vouched: str | None) -> tuple[str, str] | None:
+def _corroborated(
+    manifests: dict[str, tuple[dict, int]], alone: bool, vouched: str | None
+) -> tuple[str, Certificate | None] | None:
     """The claim (`_claim`) two manifests state (the most stated one); a lone manifest's own only when its donor
     was the only one (`alone`) or the records vouch for its result; else None (the caller loads a vouched state
     instead: a lone manifest among silent donors was the review's poisoned catch-up)."""
-    counts = Counter(_claim(manifest) for manifest, _ in manifests.values())
-    if len(manifests) == 1:
-        (stated,) = counts
-        if alone or stated[0] == vouched:
-            return stated
+    agreed, claim = _most_stated(Counter(_claim(m) for m, _ in manifests.values()), lambda c: alone or c[0] == vouched)
+    if not agreed and len(manifests) == 1:
+        ((lone, _),) = manifests.values()
         logger.warning("only one of the donors asked serves a manifest; its result %s is not what most records at "
-                       "the next round vouch for (%s): not believed", stated[0], vouched or "-")  # fmt: skip
-        return None
-    best = counts.most_common(2)
+                       "the next round vouch for (%s): not believed", lone["result_fp"], vouched or "-")  # fmt: skip
+    return claim
+
+
+K = TypeVar("K")
+
+
+def _most_stated(stated: Counter[K], believe_lone: Callable[[K], bool]) -> tuple[bool, K | None]:
+    """(whether a value is agreed, which): the one two or more sources state, with no other stated as often; a lone
+    source's only if `believe_lone` says so."""
+    if sum(stated.values()) == 1:
+        (lone,) = stated
+        return (True, lone) if believe_lone(lone) else (False, None)
+    best = stated.most_common(2)
     if not best or best[0][1] < 2 or (len(best) == 2 and best[1][1] == best[0][1]):
-        return None
-    return best[0][0]
+        return False, None
+    return True, best[0][0]
