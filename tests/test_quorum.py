@@ -201,7 +201,7 @@ def test_a_member_that_loaded_a_state_seals_for_the_deciders_and_takes_their_bas
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(180)
-def test_a_member_restarted_mid_round_keeps_the_seal_it_stored_before() -> None:
+def test_a_member_restarted_or_rejoining_mid_round_keeps_the_seal_it_cast_before() -> None:
     """A seal is a vote: a member killed after sealing and restarted from its checkpoint runs the same round again
     with a new message; a new seal would change its vote after others counted it. It keeps the stored one, and since
     the round's set holds its old message, which it no longer has, it applies nothing of its own."""
@@ -221,3 +221,13 @@ def test_a_member_restarted_mid_round_keeps_the_seal_it_stored_before() -> None:
         assert again.new_tensors is None and again.deferred  # its old message is in the set: Unreachable
         time.sleep(1.0)  # a new seal (the bug) would be stored by now
         assert (roster.seals() or {}).get(syncs[2].me) == before
+
+        # a member that caught up within a round it sealed (it voided it, rebuilt the round before from messages,
+        # and rejoins) keeps its vote the same way, with no restart to tell it so
+        member = syncs[1]
+        sealed = (roster.seals() or {}).get(member.me)
+        assert sealed is not None and member.sealed == sealed
+        rejoined = contribute([member], 1, theta, seed=77)[0]
+        assert rejoined.new_tensors is None and rejoined.deferred
+        time.sleep(1.0)
+        assert (roster.seals() or {}).get(member.me) == sealed

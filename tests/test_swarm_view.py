@@ -5,6 +5,7 @@ from __future__ import annotations
 from factories import peer_id, peer_record
 
 from hetero_node.client.swarm.view import (
+    certified_fingerprint,
     coming_members,
     replica_count,
     shard_donors,
@@ -119,6 +120,22 @@ def test_a_fingerprint_is_vouched_for_by_a_strict_majority_of_the_others_at_its_
     assert vouched_fingerprint(records, 6, "0", peer_id("x0")) == "c" * 32  # alone at its round
     assert vouched_fingerprint(records, 7, "0", peer_id("x0")) is None  # nobody there
     assert vouched_fingerprint(records, 5, "1", peer_id("x0")) is None  # nobody advertises shard 1
+
+
+def test_a_tie_of_starts_goes_to_the_start_a_certified_round_led_to() -> None:
+    """Two members of a round, one restarted (or cut off) that voided round t−1 which the other certified: their
+    records tie at round t, and only the certified holder's start is the swarm's."""
+
+    def at(name: str, certified: int, fp: str) -> tuple[str, object]:
+        return peer_id(name), peer_record(name, role=ROLE_FULL, round=5, certified=certified, fingerprints={"0": fp})
+
+    tie = dict([at("f1", 5, "a" * 32), at("f2", 4, "b" * 32)])
+    assert vouched_fingerprint(tie, 5, "0", me="") is None
+    assert certified_fingerprint(tie, 5, "0") == "a" * 32
+    assert certified_fingerprint(tie, 6, "0") is None  # nobody holds round 6
+    split = {**tie, **dict([at("f3", 5, "c" * 32)])}  # two certified holders that disagree (a liar among them)
+    assert certified_fingerprint(split, 5, "0") is None
+    assert certified_fingerprint({**split, **dict([at("g2", 5, "a" * 32)])}, 5, "0") == "a" * 32
 
 
 def test_the_earlier_claim_holds_a_slot_whatever_the_peer_ids() -> None:

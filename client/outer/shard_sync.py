@@ -209,6 +209,8 @@ class ShardSync:
         self.resumed_at: int | None = None
         """The round our checkpoint resumed at: we may have sealed it before the restart, and a seal is a vote that
         never changes (a second one could count in two quorums), so that round keeps the seal the DHT holds."""
+        self.sealed: Seal | None = None
+        """The last seal we cast: a member that rejoins a round it sealed (it caught up within it) keeps that vote."""
         self.follows = False
         """Our θ came from a state whose round's certificate neither the DHT nor a manifest told us: our base may not
         be the deciders', so we state and seal but take each round's result from the members that decide it, until
@@ -313,15 +315,19 @@ class ShardSync:
         earlier: dict[str, Seal] | None = {}
         if pending.round == self.resumed_at:  # we may have voted in this round before a restart: that vote stands
             self.resumed_at, earlier = None, roster.seals()
+        elif self.sealed is not None and self.sealed.round == pending.round:  # so does one cast before we caught up
+            earlier = {self.me: self.sealed}
         if earlier is None:  # not knowing our vote, we cast none: the result comes from those that decide
             return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         if self.me in earlier:
-            logger.info("shard %d round %d: keeping the seal we stored before restarting", self.shard, pending.round)
-            ours = earlier[self.me]
+            logger.info("shard %d round %d: keeping the seal we cast before (restarting or catching up)", self.shard,
+                        pending.round)  # fmt: skip
+            ours = self.sealed = earlier[self.me]
             if ours.start_fp != majority:  # that vote was for another start: this one's set comes from others
                 return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         else:
             roster.seal(ours)
+        self.sealed = ours
         if self.follows:  # our seal counts for the deciders; the result comes from them (`obtain`)
             logger.info("shard %d round %d: sealed; taking the result from the members that decide it (our quorum "
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip

@@ -59,7 +59,9 @@ class CatchingUp:
         state ("state", all shards at once), or, when nobody completed it, keeps θ(t) ("void"). "behind": we hold
         the θ of an earlier certified round (we voided rounds the others certified, cut off from them), so round
         t's messages do not apply to it; `catch_up` rebuilds the rounds in between before the next round, each with
-        its upkeep. "failed": others are ahead but served nothing usable (the next round's catch-up tries again)."""
+        its upkeep. Told at once when others hold the certified θ(t) we lack: rebuilt, we rejoin round t while its
+        members may still be waiting for our seal (a restarted member's base may be us alone). "failed": others are
+        ahead but served nothing usable (the next round's catch-up tries again)."""
         from hivemind.utils import get_dht_time
 
         t = flight.round
@@ -81,6 +83,9 @@ class CatchingUp:
                     return "behind", 0, {}
                 size = self.load_state(min_round=t + 1, wait_s=0.0)
                 return ("state", size, {}) if size is not None else ("failed", 0, {})
+            ahead_of_us = any(pid != self.me and r.round == r.certified == t for pid, r in donors.items())
+            if ahead_of_us and self.certified < t and self.messages_cheaper(t - self.certified, records):
+                return "behind", 0, {}  # they start t from a certified θ(t) we lack: rebuild it, rejoin t
             still = [pid for pid, r in donors.items() if pid not in stuck | {self.me} and view.coming(r, t)]
             # the round ends at the latest deadline its members announced (one late to it planned it later), within
             # one more round timeout of ours

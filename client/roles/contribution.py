@@ -83,8 +83,16 @@ class Contributing:
 
     def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
         """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)
-        hold: what breaks a tie inside a group."""
-        return lambda: view.vouched_fingerprint(self.records(timeout=1.0), t, str(shard), me="")
+        hold, else that most of the records holding a certified θ(t) hold: what breaks a tie inside a group (a
+        member restarted or cut off that voided round t−1 while the others certified it starts t from θ(t−1))."""
+
+        def check() -> str | None:
+            records = self.records(timeout=1.0)
+            return view.vouched_fingerprint(records, t, str(shard), me="") or view.certified_fingerprint(
+                records, t, str(shard)
+            )
+
+        return check
 
     def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
         """Whether the shard's other members finished round t without us: more of them certified it than are

@@ -102,6 +102,18 @@ def vouched_fingerprint(records: Records, round_: int, shard: str, me: str) -> s
         for pid, r in records.items()
         if pid != me and r.round == round_ and shard in r.fingerprints
     ]
+    return _strict_majority(fps)
+
+
+def certified_fingerprint(records: Records, round_: int, shard: str) -> str | None:
+    """The fingerprint of `shard` that more than half of the peers holding a certified θ(`round_`) advertise
+    (`PeerRecord.certified` at `round_`): of two starts of a round, the one a certified round t−1 led to, not the one
+    a member that voided t−1 kept. Certified rounds have one set each, so honest holders of one all agree."""
+    held = [r for r in records.values() if r.round == r.certified == round_]
+    return _strict_majority([r.fingerprints[shard] for r in held if shard in r.fingerprints])
+
+
+def _strict_majority(fps: list[str]) -> str | None:
     if not fps:
         return None
     best = max(set(fps), key=fps.count)
