@@ -15,8 +15,13 @@ manifests, `protocol/round_wire.py`), never from the seals it happens to read (t
 member's base from the DHT's seals certified a second set); knowing none, it seals but decides nothing (`follows`).
 
 A joiner is admitted by stating in time for a round's set, though it does not count towards the quorum of the round
-it joins. A member of the base that crashed still counts against the quorum, since a crash and a partition look the
-same from inside; after `patience` rounds without a certificate, base members whose peer records are gone are
+it joins. A round no certificate came before (a fresh swarm's first, or a follower's after a void round) has no base
+all members share: each one's is the coming members its records show, so a majority rule could certify two sets
+(it did, in the frozen-member test's round 0); such a round needs every member anyone names to seal one set
+(`protocol/roster.py: unanimous`), and a member that follows (its base unknown) never certifies a round alone.
+
+A member of the base that crashed still counts against the quorum, since a crash and a partition look the same
+from inside; after `patience` rounds without a certificate, base members whose peer records are gone are
 dropped from the base, so survivors of a crash (or of peers that left) go on. The price: a partition longer than
 `patience` rounds lets both sides go on (each sees the other's records expire)."""
 

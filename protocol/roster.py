@@ -14,7 +14,7 @@ the same key while the first leader still counted it, and two groups then applie
    **in** once more than half of the base did, **out** once that can no longer happen (its votes plus the base
    members not heard from are at most half). The round's set is every statement that is in (`decided`), once more
    than half of the base has sealed and every statement any of them listed is in or out; its authors are the next
-   round's base.
+   round's base. A round with no base from a certificate is decided only `unanimous`ly.
 
 Every member that decides the round decides the same set, whatever seals it read and in whatever order, as long as
 nobody votes twice and all use one base: a statement in for one reader has more than half of the base's votes, so
@@ -161,6 +161,38 @@ def undecidable(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> b
     votes = ballots(seals, start_fp, base)
     chosen, pending = standing(votes, base)
     return bool(base) and not chosen and not pending and 2 * (len(base) - len(votes)) <= len(base)
+
+
+def named(seals: Iterable[Seal], base: frozenset[str]) -> frozenset[str]:
+    """Everyone a round without a quorum base must hear from: the base (the members the records show coming), every
+    sealer and every author any seal lists."""
+    return base | {x.sealer for x in seals} | {e.author for x in seals for e in x.entries}
+
+
+def unanimous(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> Vote | None:
+    """The set of a round no certificate came before (a fresh swarm's first round, or after a round nobody
+    decided): every member `named` sealed exactly this set from `start_fp`; None otherwise.
+
+    The majority rule needs one base for every reader, and without a certificate each member's base is the
+    coming members its records show, which differ when members start apart (the frozen-member test's fork of round
+    0: two members counted a base of 2, a third one of 3, and they certified two sets). Here two readers that decide
+    share an author of their sets, who sealed once: their sets are one. Only members that never saw one another
+    (a partition at the very start) could decide two."""
+    seals = list(seals)
+    by = {x.sealer: x for x in seals}
+    voters = named(seals, base)
+    if not voters <= by.keys():
+        return None
+    sets = {frozenset(by[m].entries) if by[m].start_fp == start_fp else None for m in voters}
+    if len(sets) != 1 or None in sets:
+        return None
+    (entries,) = sets
+    return Vote(tuple(sorted(entries)), voters) if entries else None
+
+
+def split(seals: Iterable[Seal], start_fp: str) -> bool:
+    """Two seals differ (or one is from another start): `unanimous` can never decide the round."""
+    return len({frozenset(x.entries) if x.start_fp == start_fp else None for x in seals}) > 1
 
 
 K = TypeVar("K")

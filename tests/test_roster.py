@@ -10,7 +10,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetero_node.protocol.roster import MAX_SEALED, Entry, Seal, decided, undecidable, widest
+from hetero_node.protocol.roster import MAX_SEALED, Entry, Seal, decided, split, unanimous, undecidable, widest
 
 START = "ab" * 32
 OTHER_START = "cd" * 32
@@ -75,6 +75,33 @@ def test_undecidable_only_when_no_remaining_vote_could_decide(
     voted = {s.sealer for s in seals}
     late = [seal(p, data.draw(st.lists(st.sampled_from(PEERS), unique=True))) for p in sorted(base - voted)]
     assert decided([*seals, *late], START, base) is None
+
+
+def test_without_a_certificate_two_bases_fork_by_majority_and_unanimity_decides_nothing() -> None:
+    """The frozen-member test's round 0: r1 started later, so r0 and r2 counted a base of two and r1 one of three.
+    By majority each base certifies its own set; unanimity over everyone the seals name certifies neither."""
+    seals = [seal("r0", ["r0", "r2"]), seal("r2", ["r0", "r1", "r2"]), seal("r1", ["r0", "r1", "r2"])]
+    early, late = frozenset({"r0", "r2"}), frozenset({"r0", "r1", "r2"})
+    assert decided(seals, START, early) != decided(seals, START, late)  # two sets: the fork
+    assert unanimous(seals, START, early) is None and unanimous(seals, START, late) is None and split(seals, START)
+    agreed = [seal(m, ["r0", "r1", "r2"]) for m in ("r0", "r1", "r2")]
+    assert unanimous(agreed, START, early) == unanimous(agreed, START, late) is not None
+    assert unanimous(agreed[:2], START, early) is None  # r2 is named (a base member, an author) and not heard
+
+
+@settings(max_examples=1000, deadline=None)
+@given(honest_seals(), st.data())
+def test_without_a_certificate_readers_of_any_bases_and_seals_never_decide_two_sets_that_share_an_author(
+    seals: list[Seal], data: st.DataObject
+) -> None:
+    """Each reader reads its own subset of the seals and has its own base (the coming members its records show):
+    any two that decide, and whose sets share an author, decide one set (that author sealed once)."""
+    views = st.lists(st.sampled_from(seals), unique_by=lambda s: s.sealer)
+    readers = data.draw(st.lists(st.tuples(views, st.frozensets(st.sampled_from(PEERS))), min_size=2))
+    sets = [won.entries for view, base in readers if (won := unanimous(view, START, base)) is not None]
+    for one in sets:
+        for other in sets:
+            assert one == other or not {e.author for e in one} & {e.author for e in other}
 
 
 def test_a_statement_some_sealers_missed_is_left_out_and_the_rest_still_counts() -> None:

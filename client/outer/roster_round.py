@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.keys import certificates_key, roster_key, seals_key
 from hetero_node.protocol.quorum import Certificate
-from hetero_node.protocol.roster import Seal, Vote, decided, undecidable
+from hetero_node.protocol.roster import Seal, Vote, decided, split, unanimous, undecidable
 from hetero_node.protocol.round_wire import GroupMeta, parse_certificate
 from hetero_node.protocol.swarm_key import is_member
 
@@ -143,14 +143,22 @@ class RosterRound:
             logger.info("shard %d round %d: no seal from %s", self.shard, self.round, ", ".join(missing))
         return [*(s for name, s in seals.items() if name != ours.sealer), ours]
 
-    def decide(self, ours: Seal, seals: list[Seal], base: frozenset[str], wait_s: float) -> Vote | None:
-        """The round's set once the seals decide it (`protocol/roster.py`); None when none can be any more, or the
-        seals did not decide one within `wait_s`. Our seal never changes (it is a vote); when every seal is alike
-        (the happy path) it returns at once, with no store or read more."""
+    def decide(
+        self, ours: Seal, seals: list[Seal], base: frozenset[str], wait_s: float, certified_base: bool = True
+    ) -> Vote | None:
+        """The round's set once the seals decide it (`protocol/roster.py`: by a majority of `base`, or, when no
+        certificate gave the base, `unanimous`ly); None when none can be any more, or the seals did not decide one
+        within `wait_s`. Our seal never changes (it is a vote); when every seal is alike (the happy path) it
+        returns at once, with no store or read more."""
         give_up = time.monotonic() + wait_s
         while True:
-            won = decided(seals, ours.start_fp, base)
-            if won is not None or undecidable(seals, ours.start_fp, base):
+            if certified_base:
+                won = decided(seals, ours.start_fp, base)
+                hopeless = won is None and undecidable(seals, ours.start_fp, base)
+            else:
+                won = unanimous(seals, ours.start_fp, base)
+                hopeless = won is None and split(seals, ours.start_fp)
+            if won is not None or hopeless:
                 return won
             if time.monotonic() >= give_up or self.stop.is_set():
                 return None

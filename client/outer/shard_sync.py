@@ -132,6 +132,8 @@ class PendingRound:
     """DHT time by which the round's statements are in: seal what is there then."""
     base: frozenset[str] = frozenset()
     """The round's quorum base (`protocol/quorum.py`): more than half of these must seal it for it to count."""
+    certified_base: bool = True
+    """The base is a certificate's; else (none came before) the coming members, and the round needs them all."""
 
 
 @dataclass
@@ -251,13 +253,17 @@ class ShardSync:
         pending.roster = RosterRound(
             self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
         )
-        pending.expected, pending.close = max(2, len(coming)), scheduled_time
+        # without a certificate the round needs every member's seal on one set (`unanimous`): wait for the statements
+        # of every member with a record, not only those the records show coming (one still starting up is not yet)
+        waited = coming if self.certificate is not None else {*coming, *live}
+        pending.expected, pending.close = max(2, len(waited)), scheduled_time
         if self.follows:  # the deciders may have stored the certificate we lack since (one DHT read, followers only)
             stored = round_certificate(self.runtime, self.run.run_id, self.shard, pending.round - 1,
                                        self.method.max_message_bytes, self.stop, wait_s=0.0)  # fmt: skip
             if stored is not None:
                 self.adopt(stored)
         pending.base = self.quorum(pending.round, coming, live)
+        pending.certified_base = self.certificate is not None
         since = "none" if self.certificate is None else self.certificate.round
         logger.info("shard %d round %d: %d members expected, sealing by DHT time %.1f; base %s (certificate of round "
                     "%s)", self.shard, pending.round, pending.expected, scheduled_time,
@@ -333,7 +339,7 @@ class ShardSync:
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         seals = roster.await_seals(ours, self.timeouts.matchmaking_s)
-        won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s)
+        won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s, pending.certified_base)
         if won is None:
             everyone = frozenset(s.sealer for s in seals if s.start_fp == majority)
             self._not_certified(pending, everyone)
@@ -360,6 +366,12 @@ class ShardSync:
         """The seals decided no set (too few of the round's quorum base sealed, or nothing they sealed reached more
         than half of it): we void it, so the minority side of a partition never moves on alone (the majority's
         result, if there is one, comes from `obtain`)."""
+        if not pending.certified_base:
+            logger.warning("shard %d round %d: not certified: no certificate came before it, and its %d members "
+                           "known did not all seal one set (%d did: %s); voiding it unless they did", self.shard,
+                           pending.round, len(pending.base), len(sealers),
+                           ", ".join(sorted(sealers)) or "-")  # fmt: skip
+            return
         logger.warning(
             "shard %d round %d: not certified: no statement sealed by more than half of the %d members of its base "
             "(%d of them sealed: %s); voiding it unless a majority did", self.shard, pending.round, len(pending.base),
@@ -551,7 +563,7 @@ class ShardSync:
         the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
         joiner) can follow. Only if we alone are a quorum: a peer cut off from the others is not alone."""
         pending.base = self.quorum(pending.round, [], live)
-        if not certifies({self.me}, pending.base):  # cut off: our Δ stays owed, as in `finish`
+        if self.follows or not certifies({self.me}, pending.base):  # cut off (or our base unknown): Δ stays owed
             self._not_certified(pending, frozenset({self.me}))
             return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
         self.certificate = Certificate(pending.round, frozenset({self.me}), pending.meta.start_fp)
