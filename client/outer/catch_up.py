@@ -83,13 +83,13 @@ def catch_up_shard(
                        sorted({m["result_fp"] for m, _ in manifests.values()}))  # fmt: skip
         return None
     result_fp = claim[0]
-    for donor, (manifest, size) in manifests.items():
+    for donor, (manifest, raw) in manifests.items():
         if _claim(manifest) != claim:
             continue
         peer = PeerID.from_base58(donor)
         shared = [t.clone() for t in method.shared_state() or []]
         try:
-            received, messages = size, []
+            received, messages, blobs = len(raw), [], {}
             for _, message_digest, _ in manifest["members"]:
                 _, blob = runtime.fetch(
                     peer, message_kind(message_digest), sync.shard, round_, method.max_message_bytes, timeout_s
@@ -97,6 +97,7 @@ def catch_up_shard(
                 if digest(blob) != message_digest:
                     raise PayloadError(f"message {message_digest} arrived with another digest")
                 received += len(blob)
+                blobs[message_digest] = blob
                 messages.append(method.decode(blob))
             if not messages:  # a void round: θ(t+1) = θ(t)
                 new = [s.clone() for s in start]
@@ -117,8 +118,17 @@ def catch_up_shard(
             "caught up round %d of shard %d from its %d messages (%d bytes) served by %s",
             round_, sync.shard, len(messages), received, donor,
         )  # fmt: skip
+        serve_again(sync, round_, raw, blobs)
         digests = {name: d for name, d, _ in manifest["members"]}
         return CaughtUp(new, received, donor, digests, manifest_certificate(manifest))
+
+
+def serve_again(sync: ShardSync, round_: int, manifest: bytes, messages: dict[str, bytes]) -> None:
+    """Serve a round we rebuilt as its members do (its manifest and messages, verified): the next member to catch up
+    finds two donors whose manifests agree, not a lone one it may not believe and a state to load instead."""
+    for message_digest, blob in messages.items():
+        sync.runtime.publish(message_kind(message_digest), sync.shard, round_, blob)
+    sync.runtime.publish(MANIFEST, sync.shard, round_, manifest)
     return None
 
 
@@ -135,10 +145,10 @@ def agreed_certificate(
 
 def _manifests(
     sync: ShardSync, round_: int, start_fp: str | None, donors: list[str], timeout_s: float
-) -> dict[str, tuple[dict, int]]:
+) -> dict[str, tuple[dict, bytes]]:
     """The first `CORROBORATING_DONORS` donors' manifests of `round_` that start where we are (`start_fp`; None: from
-    anywhere), with their sizes."""
-    found: dict[str, tuple[dict, int]] = {}
+    anywhere), with their bytes."""
+    found: dict[str, tuple[dict, bytes]] = {}
     for donor in donors:
         if len(found) == CORROBORATING_DONORS:
             break
@@ -153,15 +163,15 @@ def _manifests(
     return found
 
 
-def fetch_manifest(sync: ShardSync, round_: int, donor: str, timeout_s: float) -> tuple[dict[str, Any], int] | None:
-    """`donor`'s manifest of `round_` for the shard, strictly parsed, and its size; None if it serves none usable
+def fetch_manifest(sync: ShardSync, round_: int, donor: str, timeout_s: float) -> tuple[dict[str, Any], bytes] | None:
+    """`donor`'s manifest of `round_` for the shard, strictly parsed, and its bytes; None if it serves none usable
     (it was not in the round's set) or does not answer."""
     from hivemind.p2p import PeerID
 
     try:
         _, data = sync.runtime.fetch(PeerID.from_base58(donor), MANIFEST, sync.shard, round_, MAX_MANIFEST_BYTES,
                                      timeout_s)  # fmt: skip
-        return parse_manifest(data, round_), len(data)
+        return parse_manifest(data, round_), data
     except Exception as e:  # no manifest, a bad one, or a peer gone: the caller asks the next donor
         logger.info("no usable round %d manifest of shard %d from %s: %r", round_, sync.shard, donor, e)
         return None
@@ -173,7 +183,7 @@ def _claim(manifest: dict[str, Any]) -> tuple[str, Certificate | None]:
 
 
 def _corroborated(
-    manifests: dict[str, tuple[dict, int]], alone: bool, vouched: str | None
+    manifests: dict[str, tuple[dict, bytes]], alone: bool, vouched: str | None
 ) -> tuple[str, Certificate | None] | None:
     """The claim (`_claim`) two manifests state (the most stated one); a lone manifest's own only when its donor
     was the only one (`alone`) or the records vouch for its result; else None (the caller loads a vouched state
