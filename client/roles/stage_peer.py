@@ -7,7 +7,8 @@ What is particular to it (the round loop itself is `replica.py`, the GPipe sched
    the group's update applies to the unprojected θ(t) like every member's.
 2. Wait for the pipeline: stage 0 until every stage of its VR holds round t, later stages for stage 0's first
    message (or its END). Meanwhile a stage whose VR lacks a stage says so once, and gives the round up when the
-   round's deadline passes.
+   round's deadline passes, or at once when a sibling stage holds a later round (it gave round t up: waiting for it
+   there, a restarted stage chased its sibling one round behind for as long as the run lasted).
 3. Inner steps: stage 0 drives until the round's deadline and ends the round with the step count; the others
    serve until that END. A stage that hears nothing for `stage_timeout_s`, sees a neighbour's record vanish, or
    has a message refused gives up the round (a clear log line, never a hang) and receives the round's result.
@@ -232,6 +233,11 @@ class StagePeer(Replica):
                     "takes the slot", self.vr, t, ", ".join(map(str, missing)),
                 )  # fmt: skip
             told = missing
+            later = [s for s, pid in holders.items() if pid != self.me and records[pid].round > t]
+            if later:  # a sibling gave round t up already: meet it in its round, not wait out ours (a restart's chase)
+                logger.warning("vr %d round %d: stage %s of this virtual replica is in a later round; giving this one "
+                               "up to meet it there", self.vr, t, ", ".join(map(str, later)))  # fmt: skip
+                return False
             if not missing:
                 if self.stage.first and all(records[pid].round == t for pid in holders.values()):
                     return True
