@@ -121,6 +121,7 @@ def catch_up_shard(
         serve_again(sync, round_, raw, blobs)
         digests = {name: d for name, d, _ in manifest["members"]}
         return CaughtUp(new, received, donor, digests, manifest_certificate(manifest))
+    return None
 
 
 def serve_again(sync: ShardSync, round_: int, manifest: bytes, messages: dict[str, bytes]) -> None:
@@ -129,7 +130,6 @@ def serve_again(sync: ShardSync, round_: int, manifest: bytes, messages: dict[st
     for message_digest, blob in messages.items():
         sync.runtime.publish(message_kind(message_digest), sync.shard, round_, blob)
     sync.runtime.publish(MANIFEST, sync.shard, round_, manifest)
-    return None
 
 
 def agreed_certificate(
