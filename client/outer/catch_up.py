@@ -66,11 +66,13 @@ def catch_up_shard(
     donors: list[str],
     timeout_s: float,
     vouched: str | None = None,
+    serve: bool = True,
 ) -> CaughtUp | None:
     """θ(t+1) of `sync`'s shard from the manifest and messages of `round_`, served by the first of `donors` (peer
     ids, best first) whose manifest states the corroborated result and whose messages rebuild it; None when none
     does. `vouched`: the θ(t+1) fingerprint most peers at round t+1 advertise, if any (what makes a lone manifest
-    believable while other donors exist)."""
+    believable while other donors exist). `serve`: serve the rebuilt round again (`serve_again`); not for a heal
+    inside round t+1, whose members read our round-t manifest as the set we applied when we stated t+1."""
     from hivemind.p2p import PeerID
 
     runtime, method = sync.runtime, sync.method
@@ -118,7 +120,8 @@ def catch_up_shard(
             "caught up round %d of shard %d from its %d messages (%d bytes) served by %s",
             round_, sync.shard, len(messages), received, donor,
         )  # fmt: skip
-        serve_again(sync, round_, raw, blobs)
+        if serve:
+            serve_again(sync, round_, raw, blobs)
         digests = {name: d for name, d, _ in manifest["members"]}
         return CaughtUp(new, received, donor, digests, manifest_certificate(manifest))
     return None

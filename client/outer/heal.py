@@ -118,7 +118,7 @@ def _rebuild(
                        sync.shard, pending.round, applied.round, ", ".join(sorted(unstated)))  # fmt: skip
         return False
     rebuilt = catch_up_shard(sync, applied.round, applied.start, applied.start_fp, donors,
-                             sync.timeouts.fetch_timeout_s)  # fmt: skip
+                             sync.timeouts.fetch_timeout_s, serve=False)  # fmt: skip
     if rebuilt is None or set(rebuilt.digests.items()) != {(name, digest) for name, digest, _ in wider}:
         return False
     if applied.deferred is not None and rebuilt.digests.get(sync.me) == digest_of(applied.deferred):
