@@ -6,6 +6,7 @@ so when the link is back there is one θ to go on from, not two models. Needs ro
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ def applied(record: dict[str, Any]) -> bool:
     return record["caught_up"] == "" and not record["uncertified"] and record["group_size"] >= 1
 
 
+def fingerprint_of(rounds: dict[int, dict[str, Any]], t: int) -> str:
+    return json.dumps(rounds[t]["fingerprints"], sort_keys=True)
+
+
 @pytest.mark.parametrize("cut", [("r2", "r3"), ("r3",)], ids=["2-2", "3-1"])
 def test_a_side_without_a_majority_never_applies_a_round_and_the_swarm_agrees_once_joined(
     tmp_path: Path, cut: tuple[str, ...]
@@ -57,10 +62,12 @@ def test_a_side_without_a_majority_never_applies_a_round_and_the_swarm_agrees_on
     assert len({r[last]["fingerprints"]["0"] for r in replicas.values()}) == 1, "the sides never joined again"
     assert len({r[last]["fingerprints"]["1"] for r in replicas.values()}) == 1
 
-    # every member states every round (a receive-only one too), so a round applied by a side alone has a set of at
-    # most that side: none may be applied unless its set holds a majority of the swarm
+    # a round applied by a side alone has a set of at most that side, and the other side holds another θ after it;
+    # a set of at most half that every replica applied alike was decided by a majority's seals (statements that
+    # reached some sealers late after the rejoin are out of the set, not out of the vote)
     for name, rounds in replicas.items():
-        alone = [t for t, r in rounds.items() if applied(r) and 2 * r["group_size"] <= REPLICAS]
+        small = [t for t, r in rounds.items() if applied(r) and 2 * r["group_size"] <= REPLICAS]
+        alone = [t for t in small if len({fingerprint_of(r, t) for r in replicas.values() if t in r}) > 1]
         assert not alone, f"{name} applied rounds {alone} without a majority"
     minority = cut if len(cut) < REPLICAS / 2 else tuple(replicas)  # 2|2: neither side is a majority
     after = {name: {t: r for t, r in rounds.items() if r["ended_at"] > cut_from} for name, rounds in replicas.items()}
