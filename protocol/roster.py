@@ -163,15 +163,15 @@ def undecidable(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> b
     return bool(base) and not chosen and not pending and 2 * (len(base) - len(votes)) <= len(base)
 
 
-def named(seals: Iterable[Seal], base: frozenset[str]) -> frozenset[str]:
+def _named(seals: Iterable[Seal], base: frozenset[str]) -> frozenset[str]:
     """Everyone a round without a quorum base must hear from: the base (the members the records show coming), every
     sealer and every author any seal lists."""
     return base | {x.sealer for x in seals} | {e.author for x in seals for e in x.entries}
 
 
 def unanimous(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> Vote | None:
-    """The set of a round no certificate came before (a fresh swarm's first round, or after a round nobody
-    decided): every member `named` sealed exactly this set from `start_fp`; None otherwise.
+    """The set of a round no certificate came before (a fresh swarm's first round, or a follower's after a void
+    round): every member `_named` sealed exactly this set from `start_fp`; None otherwise.
 
     The majority rule needs one base for every reader, and without a certificate each member's base is the
     coming members its records show, which differ when members start apart (the frozen-member test's fork of round
@@ -180,7 +180,7 @@ def unanimous(seals: Iterable[Seal], start_fp: str, base: frozenset[str]) -> Vot
     (a partition at the very start) could decide two."""
     seals = list(seals)
     by = {x.sealer: x for x in seals}
-    voters = named(seals, base)
+    voters = _named(seals, base)
     if not voters <= by.keys():
         return None
     sets = {frozenset(by[m].entries) if by[m].start_fp == start_fp else None for m in voters}

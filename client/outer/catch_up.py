@@ -158,11 +158,11 @@ def _manifests(
         got = fetch_manifest(sync, round_, donor, timeout_s)
         if got is None:
             continue
-        manifest, size = got
+        manifest, _ = got
         if start_fp is not None and manifest["start_fp"] != start_fp:
             logger.info("round %d manifest of %s starts from %s, not ours", round_, donor, manifest["start_fp"])
             continue
-        found[donor] = (manifest, size)
+        found[donor] = got
     return found
 
 
