@@ -19,7 +19,7 @@ from typing import Any
 from hetero_node.protocol.errors import ConfigError, require_positive
 from hetero_node.protocol.outer_specs import outer_spec
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
 
 MAX_CHUNK = 64
@@ -118,6 +118,13 @@ class OuterConfig:
             "what a round costs outside training as measured (exchange, outer step); 0: H steps alone set the length."
         },
     )
+    overlap_utilisation: float = field(
+        default=0.95,
+        metadata={
+            "help": "--target-utilisation under --overlap, where a round costs training only its settling (apply, "
+            "eval, checkpoint) and a longer round waits for no exchange; 0: H steps alone set the length."
+        },
+    )
     min_inner_steps: int = field(
         default=1, metadata={"help": "A replica that cannot train this many steps in a round sits it out."}
     )
@@ -143,8 +150,10 @@ class OuterConfig:
         require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")
         if self.max_contributors < 0:
             raise ConfigError(f"--max-contributors must be ≥ 0 (0: every contributor), got {self.max_contributors}")
-        if not (math.isfinite(self.target_utilisation) and 0 <= self.target_utilisation < 1):
-            raise ConfigError(f"--target-utilisation must be in [0, 1), got {self.target_utilisation}")
+        for name in ("target_utilisation", "overlap_utilisation"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
         if not (math.isfinite(self.round_s) and self.round_s >= 0):
             raise ConfigError(f"--round-s must be ≥ 0 (0: derived from H), got {self.round_s}")
         if self.max_inner_steps < 0 or 0 < self.max_inner_steps < self.min_inner_steps:

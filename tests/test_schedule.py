@@ -99,17 +99,28 @@ def test_a_replica_behind_learns_its_round_is_over_from_replicas_training_a_late
 
 
 def test_a_round_is_stretched_until_training_fills_the_target_share_next_to_the_swarms_overhead() -> None:
-    """On a GPU H steps take a fraction of a second and the exchange seconds: L grows to O·u/(1 − u) for the lower
-    median overhead O, so neither one slow link nor one lying record sets everyone's round."""
-    fast = [replica(name, step_s=0.1) for name in ("a", "b", "c")]  # H = 10 steps: 1 s
+    """On a GPU H steps take a fraction of a second and the exchange seconds: L grows to O·u/(1 − u − 1/(2H)) for
+    the lower median overhead O (the half step a replica idles before the deadline counted), so neither one slow link
+    nor one lying record sets everyone's round."""
+    fast = [replica(name, step_s=0.2) for name in ("a", "b", "c")]  # H = 10 steps: 2 s
     overheads = (1.0, 2.0, 500.0)
     records = {pid: record.copy(update={"overhead_s": o}) for (pid, record), o in zip(fast, overheads, strict=True)}
-    assert clock().round_length(records) == pytest.approx(2.0 * 0.9 / 0.1)  # lower median of 1, 2, 500: 2 s
-    assert clock(target_utilisation=0.5).round_length(records) == pytest.approx(2.0)
-    assert clock(target_utilisation=0.0).round_length(records) == pytest.approx(1.0)  # off: H steps
+    assert clock().round_length(records) == pytest.approx(2.0 * 0.9 / 0.05)  # lower median of 1, 2, 500: 2 s; 36 s
+    assert clock(target_utilisation=0.5).round_length(records) == pytest.approx(2.0 * 0.5 / 0.45)
+    assert clock(target_utilisation=0.0).round_length(records) == pytest.approx(2.0)  # off: H steps
     assert clock(round_s=7.0).round_length(records) == 7.0  # an explicit length wins
     capped = {pid: record.copy(update={"overhead_s": 100.0}) for pid, record in fast}
-    assert clock().round_length(capped) == pytest.approx(MAX_STRETCH * 1.0)  # a runaway wait cannot feed back
+    assert clock().round_length(capped) == pytest.approx(MAX_STRETCH * 2.0)  # a runaway wait cannot feed back
+
+
+def test_an_overlapped_round_is_stretched_for_its_own_target_and_no_idle_half_step() -> None:
+    """Under --overlap a replica starts the next round's steps as soon as it stops: only its settling costs training,
+    so L = O·u/(1 − u) for --overlap-utilisation u (0.95 by default)."""
+    records = {pid: r.copy(update={"overhead_s": 1.0}) for pid, r in [replica("a", step_s=0.2)]}
+    assert clock(overlap=True).round_length(records) == pytest.approx(1.0 * 0.95 / 0.05)
+    assert clock(overlap=True, overlap_utilisation=0.9).round_length(records) == pytest.approx(9.0)
+    assert clock(overlap=True, overlap_utilisation=0.0).round_length(records) == pytest.approx(2.0)  # off
+    assert clock(overlap=True, target_utilisation=0.0).round_length(records) == pytest.approx(19.0)  # not this one
 
 
 def test_the_round_is_stretched_for_the_full_replicas_overhead_not_the_stage_peers_smaller_one() -> None:
@@ -119,25 +130,37 @@ def test_the_round_is_stretched_for_the_full_replicas_overhead_not_the_stage_pee
     stages = [(peer_id(n), peer_record(n, role=ROLE_STAGE, stage=i, vr=0, step_s=0.5)) for i, n in enumerate("cd")]
     overheads = {peer_id(n): o for n, o in {"a": 6.0, "b": 6.4, "c": 2.0, "d": 2.3}.items()}
     records = {pid: record.copy(update={"overhead_s": overheads[pid]}) for pid, record in [*full, *stages]}
-    assert clock().round_length(records) == pytest.approx(6.0 * 0.9 / 0.1)  # lower median of the full replicas'
+    assert clock().round_length(records) == pytest.approx(6.0 * 18)  # lower median of the full replicas'
     only_stages = {pid: r for pid, r in records.items() if r.role == ROLE_STAGE}
-    assert clock().round_length(only_stages) == pytest.approx(2.0 * 0.9 / 0.1)  # no full replica: every peer's
+    assert clock().round_length(only_stages) == pytest.approx(2.0 * 18)  # no full replica: every peer's
 
 
 def test_a_replica_folds_its_own_measured_overhead_into_the_round_length() -> None:
     mine = clock()
-    records = dict([replica("a", step_s=0.1)])
-    assert mine.round_length(records) == pytest.approx(1.0)  # nothing measured yet
+    records = dict([replica("a", step_s=0.2)])
+    assert mine.round_length(records) == pytest.approx(2.0)  # nothing measured yet
     mine.record_overhead(1.0)
     mine.record_overhead(3.0)  # EMA: 2.0
     assert mine.overhead_s == pytest.approx(2.0)
-    assert mine.round_length(records) == pytest.approx(2.0 * 9)
+    assert mine.round_length(records) == pytest.approx(2.0 * 18)
+
+
+def test_a_full_replicas_own_overhead_floors_the_round_a_stale_record_would_shorten() -> None:
+    """The GPU check's overlapped run: one full replica planned round 2 while its peer's record still showed round
+    0's 1 s; the lower median of the two was the stale figure, and everyone adopted that replica's short deadline."""
+    stale = {pid: r.copy(update={"overhead_s": 1.0}) for pid, r in [replica("peer", step_s=0.2)]}
+    mine = clock()
+    mine.record_overhead(2.0)
+    assert mine.round_length(stale) == pytest.approx(2.0 * 18)  # not 1.0 * 18
+    stage = RoundClock(OuterConfig(inner_steps=10), 2.0, 0.5, cadence=False, accumulate=False)
+    stage.record_overhead(2.0)  # a stage peer's smaller costs are not the full replicas' round
+    assert stage.round_length(stale) == pytest.approx(1.0 * 18)
 
 
 def test_a_stretched_round_makes_a_full_replicas_steps_bigger_not_more() -> None:
     """L = 18 s where H steps of the fastest replica take 1 s: each inner step accumulates 18 batches, so the
     fastest trains about H steps (the lab: more steps per round cost far more per token than bigger ones)."""
-    records = {pid: r.copy(update={"overhead_s": 2.0}) for pid, r in [replica("a", step_s=0.1)]}
+    records = {pid: r.copy(update={"overhead_s": 1.0}) for pid, r in [replica("a", step_s=0.1)]}
     plan = clock().plan(4, records, ME, now=1000.0)
     assert plan.length_s == pytest.approx(18.0) and plan.accumulation == 18
     assert plan.keep_training(9, now=1000.0 + 9 * 1.8, step_s=0.1)  # a step of 18 batches: 1.8 s

@@ -51,6 +51,10 @@ class DemoConfig:
         default=OuterConfig.target_utilisation,
         metadata={"help": "Share of a round training fills at least, next to the round's measured costs (0: off)."},
     )
+    overlap_utilisation: float = field(
+        default=OuterConfig.overlap_utilisation,
+        metadata={"help": "The same under --overlap, where a round costs training only its settling (0: off)."},
+    )
     min_inner_steps: int = field(default=1, metadata={"help": "Fewest inner steps a replica trains to contribute."})
     max_inner_steps: int = field(
         default=0, metadata={"help": "Most inner steps per round (0: no cap; = H with --min-inner-steps H: fixed H)."}
@@ -91,7 +95,8 @@ def run_args(cfg: DemoConfig) -> list[str]:
     outer = OuterConfig(
         outer=cfg.outer, inner_steps=cfg.inner_steps, rounds=cfg.rounds, stages=cfg.stages,
         diloco_wire=cfg.diloco_wire, max_contributors=cfg.max_contributors, round_s=cfg.round_s,
-        target_utilisation=cfg.target_utilisation, min_inner_steps=cfg.min_inner_steps,
+        target_utilisation=cfg.target_utilisation, overlap_utilisation=cfg.overlap_utilisation,
+        min_inner_steps=cfg.min_inner_steps,
         max_inner_steps=cfg.max_inner_steps, overlap=cfg.overlap,
     )  # fmt: skip
     optim = OptimConfig(lr=cfg.lr, warmup_steps=min(OptimConfig.warmup_steps, cfg.inner_steps))

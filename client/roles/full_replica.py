@@ -116,7 +116,7 @@ class FullReplica(Replica):
         if self.ranks is not None:  # θ(t) and the optimizer as this rank holds them, on every rank
             self.ranks.sync(self.model, self.trainer.optimizer)
         losses: list[Tensor] = []
-        compute_s, between_s, started, last_check = 0.0, 0.0, time.perf_counter(), [time.monotonic()]
+        compute_s, started, last_check = 0.0, time.perf_counter(), [time.monotonic()]
         # a step still running on the device ends about a step from now: the next one would end a step later
         while plan.keep_training(
             len(losses), get_dht_time() + self.trainer.in_flight * a * self.clock.step_s, self.clock.step_s
@@ -139,7 +139,6 @@ class FullReplica(Replica):
             plan = self.between_steps(plan, last_check)  # may settle an overlapped round: not compute time
             if self.ranks is not None and self.in_flight is not flight:  # it did: θ changed here, not there
                 self.ranks.sync(self.model, self.trainer.optimizer)
-            between_s += time.perf_counter() - step_started - step_s
         step_started = time.perf_counter()
         self.trainer.synchronize()  # the last step's device time is compute time too
         compute_s += time.perf_counter() - step_started
@@ -150,7 +149,7 @@ class FullReplica(Replica):
             loss=loss if loss is not None and math.isfinite(loss) else None,
             tokens_per_s=round(tokens / max(compute_s, 1e-9), 1),
         )
-        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a, between_s)
+        return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a)
 
     def train_step(self, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """One inner step on `batches`: here, or split over the node's local ranks."""

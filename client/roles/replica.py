@@ -100,8 +100,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         """The entries of E_S the last outer step changed (subspace runs), served to later stages."""
         self.in_flight: InFlight | None = None
         self.trained_until: tuple[int, float, float] | None = None
-        """(round, perf_counter time, its `Trained.between_steps_s`) at which this replica's last training ended:
-        the next round's overhead (`RoundClock.record_overhead`) is measured from it."""
+        """(round, perf_counter time, its `Trained.idle_s`) at which this replica's last training ended: the next
+        round's overhead (`RoundClock.record_overhead`) is measured from it."""
         self.checkpoints: CheckpointWriter | None = None
         self.failed_settles = 0
         """Rounds in a row whose result we could not get though others are ahead: we wait before trying again."""
@@ -224,7 +224,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
                 self.measure_overhead(t)
                 plan = self.plan(t)
                 trained = self.train(plan)
-                self.trained_until = None if trained is None else (t, time.perf_counter(), trained.between_steps_s)
+                self.trained_until = None if trained is None else (t, time.perf_counter(), trained.idle_s)
                 if self.stop.is_set():
                     break
                 self.settle(wait=True)  # Δ is measured from θ(t): round t−1's result must be in
@@ -259,11 +259,11 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
 
     def measure_overhead(self, t: int) -> None:
         """What round t − 1 cost outside training: from the end of its training to now, the start of round t's
-        planning (settling, exchange, outer step, catch-up), plus what its training loop spent between steps
-        (under --overlap the previous round settles there). Only between consecutive rounds we trained."""
+        planning (settling, exchange, outer step, catch-up), plus what its training loop spent not training
+        (under --overlap the previous round settles between steps). Only between consecutive rounds we trained."""
         if self.trained_until is not None and self.trained_until[0] == t - 1:
-            _, ended, between_steps_s = self.trained_until
-            self.clock.record_overhead(time.perf_counter() - ended + between_steps_s)
+            _, ended, idle_s = self.trained_until
+            self.clock.record_overhead(time.perf_counter() - ended + idle_s)
 
     def linger(self) -> None:
         """Serve the final state and messages to slower peers before leaving: at least --linger-s, and on while

@@ -30,9 +30,13 @@ class Trained:
     """Wall time of the training loop, what happens between steps included: the round length a step costs."""
     accumulation: int = 1
     """Batches each inner step accumulated."""
-    between_steps_s: float = 0.0
-    """Time the loop spent between steps (settling an overlapped round: apply, eval, checkpoint; refreshing the
-    deadline): paid inside the window, yet a cost of the round outside training (`Replica.measure_overhead`)."""
+
+    @property
+    def idle_s(self) -> float:
+        """The window's time not spent in steps (between them: settling an overlapped round, refreshing the
+        deadline; before the first; announcing after the last): paid inside the window, yet a cost of the round
+        outside training (`Replica.measure_overhead`)."""
+        return max(0.0, self.window_s - self.compute_s)
 
 
 @dataclass

@@ -9,10 +9,11 @@ and a replica three times slower about H/3.
 A round must also be long enough for what it costs outside training: exchange, outer step, catch-up. On a GPU an
 inner step takes milliseconds, and H of them are far shorter than the round's own fixed costs, so a replica would
 spend most of its time not training. Each replica measures that overhead O (the time from the end of one round's
-training to the start of the next's), advertises it (`overhead_s`), and L is at least O·u/(1 − u) for the lower
-median O of the swarm and `--target-utilisation` u: training then fills at least u of a typical replica's time. The
-lower median, so that one slow link or one lying record cannot stretch everyone's round; and at most `MAX_STRETCH`
-times H steps.
+training to the start of the next's), advertises it (`overhead_s`), and L is at least about O·u/(1 − u) for the
+lower median O of the swarm (a full replica's own O at least) and `--target-utilisation` u (`--overlap-utilisation`
+under --overlap): training then fills at least u of a typical replica's time (`RoundClock.stretched`). The lower
+median, so that one slow link or one lying record cannot stretch everyone's round; and at most `MAX_STRETCH` times H
+steps.
 
 A stretched round keeps H inner steps and makes each of them bigger: a full replica accumulates the gradients of
 `accumulation` = ⌊L / (H steps of the fastest replica)⌋ batches per inner step. More steps per round would fill the
@@ -38,6 +39,7 @@ is known (a swarm's very first round without a throughput figure), and always wh
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -137,12 +139,15 @@ class RoundClock:
         return max(1, int(length_s / (self.outer.inner_steps * fastest) + 1e-9))
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
-        """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills
-        --target-utilisation of a round next to the lower-median overhead of the full replicas (of every peer when
-        none measured one yet): pipeline stages fill a longer round with steps anyway, and their smaller overhead
-        (one shard, no checkpoint) set rounds in which GPU full replicas trained 70% of the time. None while no step
-        time is known, and for synchronous rounds: with --min-inner-steps ≥ H every replica trains its steps
-        whatever the clock says, and a deadline could only make a late one sit the round out."""
+        """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills the target
+        share of a round (`target`) next to the lower-median overhead of the full replicas (of every peer when none
+        measured one yet): pipeline stages fill a longer round with steps anyway, and their smaller overhead (one
+        shard, no checkpoint) set rounds in which GPU full replicas trained 70% of the time. A full replica's own
+        overhead is a floor: it is this round's cost as measured just now, while another's record may still show a
+        round-old figure (under --overlap on a GPU, one replica planned a 9 s round from its peer's stale 1 s where
+        both then measured 2 s). None while no step time is known, and for synchronous rounds: with
+        --min-inner-steps ≥ H every replica trains its steps whatever the clock says, and a deadline could only make
+        a late one sit the round out."""
         if self.outer.round_s > 0:
             return self.outer.round_s
         if self.outer.min_inner_steps >= self.outer.inner_steps:
@@ -151,12 +156,26 @@ class RoundClock:
         if fastest is None:
             return None
         length = self.outer.inner_steps * fastest
-        target = self.outer.target_utilisation
         overheads = sorted(self._full_overheads(records) or self._overheads(records.values(), mine=True))
-        if target > 0 and overheads:
-            stretched = overheads[(len(overheads) - 1) // 2] * target / (1 - target)
-            length = max(length, min(stretched, MAX_STRETCH * length))
+        if overheads:
+            overhead = overheads[(len(overheads) - 1) // 2]
+            if self.accumulate:
+                overhead = max(overhead, self.overhead_s)
+            length = max(length, min(self.stretched(overhead), MAX_STRETCH * length))
         return length
+
+    def stretched(self, overhead: float) -> float:
+        """The shortest round in which training fills the target share u next to `overhead` O. Under --overlap a
+        replica starts the next round's steps as soon as it stops, so only O costs: L = O·u/(1 − u). Without it a
+        replica stops when the next step would overrun the deadline and then waits for the round's group: on average
+        half a step idles, a share 1/(2H) of a stretched round (H steps of `accumulation` batches), so L = O·u/(1 − u
+        − 1/(2H)) (rounds sized by O·u/(1 − u) trained 88.5-89% instead of 90%). 0 when the target is off."""
+        target = self.outer.overlap_utilisation if self.outer.overlap else self.outer.target_utilisation
+        idle_share = 0.0 if self.outer.overlap else 1 / (2 * self.outer.inner_steps)
+        if target <= 0:
+            return 0.0
+        slack = 1 - target - idle_share
+        return overhead * target / slack if slack > 0 else math.inf
 
     def _full_overheads(self, records: dict[str, PeerRecord]) -> list[float]:
         """The measured overheads of the full replicas, ours included if we are one."""
