@@ -222,6 +222,14 @@ def swarm_problems(report: dict[str, Any], rounds: int) -> list[str]:
     return problems
 
 
+def steady_utilisation(rounds: list[dict[str, Any]]) -> float | None:
+    """Compute utilisation over the later half of the rounds: the first ones are sized from overheads still being
+    measured (round 0 is untimed, round 1 knows one round's cost), so a short run's whole-run figure is mostly
+    ramp-up."""
+    ordered = sorted(rounds, key=lambda r: r["round"])
+    return compute_utilisation(ordered[len(ordered) // 2 :])
+
+
 def run_swarm(cfg: GpuCheckConfig, overlap: bool, console: Console) -> dict[str, Any]:
     """One demo swarm on this machine; its report reduced to the check's figures."""
     name = "swarm-overlap" if overlap else "swarm"
@@ -245,6 +253,7 @@ def run_swarm(cfg: GpuCheckConfig, overlap: bool, console: Console) -> dict[str,
             {
                 "peer_id": p["peer_id"],
                 "utilisation": compute_utilisation(p["rounds"]),
+                "steady_utilisation": steady_utilisation(p["rounds"]),
                 "rounds": round_split(p["rounds"]),
             }
             for p in full
@@ -278,11 +287,13 @@ def _throughput_table(figures: list[dict[str, Any]]) -> Table:
 
 def _swarm_table(swarm: dict[str, Any]) -> Table:
     table = Table(title=f"swarm {'with' if swarm['overlap'] else 'without'} --overlap: full replicas' rounds")
-    for column in ("replica", "utilisation", "round", "steps", "compute s", "exchange s", "blocked s", "overhead s",
-                   "round wall s", "contributed", "phases s"):  # fmt: skip
+    for column in ("replica", "utilisation (later half)", "round", "steps", "compute s", "exchange s", "blocked s",
+                   "overhead s", "round wall s", "contributed", "phases s"):  # fmt: skip
         table.add_column(column)
     for replica in swarm["replicas"]:
-        util = "-" if replica["utilisation"] is None else f"{100 * replica['utilisation']:.0f}%"
+        util = " ".join(
+            "-" if replica[k] is None else f"{100 * replica[k]:.1f}%" for k in ("utilisation", "steady_utilisation")
+        )
         for r in replica["rounds"]:
             table.add_row(
                 replica["peer_id"][-8:], util, str(r["round"]), str(r["inner_steps"]), f"{r['compute_s']:.2f}",
@@ -319,6 +330,7 @@ def run_gpu_check(cfg: GpuCheckConfig, console: Console) -> dict[str, Any]:
     console.print(_throughput_table(result["throughput"]))
     problems = throughput_problems(result["throughput"])
     result["throughput_s"] = round(time.monotonic() - started, 1)
+    _write(cfg.out, result)  # each part as it ends: a device call cut short keeps what it measured
     if cfg.swarm:
         if device.type == "cpu":  # the peers pick their device themselves (auto): keep them off any GPU too
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -327,11 +339,16 @@ def run_gpu_check(cfg: GpuCheckConfig, console: Console) -> dict[str, Any]:
             console.print(_swarm_table(swarm))
             result["swarm"].append(swarm)
             problems += [f"swarm overlap={overlap}: {p}" for p in swarm["problems"]]
+            _write(cfg.out, result)
     result["wall_s"] = round(time.monotonic() - started, 1)
     result["problems"], result["ok"] = problems, not problems
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    _write(cfg.out, result)
     return result
+
+
+def _write(out: Path, result: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 app = typer.Typer(add_completion=False)
