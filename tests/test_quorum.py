@@ -125,6 +125,33 @@ def test_a_half_cut_off_voids_its_round_and_the_whole_swarm_certifies_the_next()
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(180)
+def test_the_first_round_waits_for_a_slower_members_statement_instead_of_splitting_the_vote() -> None:
+    """The GPU check's swarm voided round 0: its full replicas trained it in 2 s and sealed at their deadline's
+    grace, its stage peers' statements came after H steps of 8 s, and a round no certificate came before is decided
+    only unanimously. Now the founding members wait for every member's statement (up to --round-timeout-s)."""
+    from hivemind.utils import get_dht_time
+
+    with swarm(3) as runtimes:
+        stop = threading.Event()
+        timeouts = SyncTimeouts(matchmaking_s=1.0, round_timeout_s=30.0)
+        syncs = [ShardSync(r, run_config(), 0, SHAPES, timeouts, stop) for r in runtimes]
+        names, start = [s.me for s in syncs], [torch.full(s, 0.25) for s in SHAPES]
+
+        def member(i: int, delay_s: float) -> ShardOutcome:
+            time.sleep(delay_s)
+            delta = [1e-2 * torch.randn(s, generator=torch.Generator().manual_seed(i)) for s in SHAPES]
+            pending = syncs[i].contribution(0, start, fingerprint(start), delta, 64)
+            syncs[i].begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 1.0)
+            return syncs[i].finish(pending, lambda: False, lambda: None)
+
+        with ThreadPoolExecutor(3) as pool:  # the third states its Δ 4 s after the others' seal-by time
+            outcomes = [job.result() for job in [pool.submit(member, i, 5.0 * (i == 2)) for i in range(3)]]
+        assert all(o.new_tensors is not None and not o.uncertified and o.contributors == 3 for o in outcomes)
+        assert len({fingerprint(o.new_tensors) for o in outcomes}) == 1  # type: ignore[arg-type]
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(180)
 def test_a_message_whose_author_died_comes_from_a_member_that_verified_it_or_the_round_is_not_ours_to_apply() -> None:
     """The kill soak's other fork: an author killed after sealing left one member without its message, which dropped
     it and applied another aggregate than the member that had fetched it. Now a lost message comes from any member

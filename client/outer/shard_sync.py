@@ -256,6 +256,13 @@ class ShardSync:
         # without a certificate the round needs every member's seal on one set (`unanimous`): wait for the statements
         # of every member with a record, not only those the records show coming (one still starting up is not yet)
         waited = coming if self.certificate is not None else {*coming, *live}
+        if self.certificate is None and not self.follows:
+            # the swarm's first round: a member that seals before a slower member's statement is in votes for
+            # another set than that member, and the round is void for all (on a GPU, full replicas finished round 0
+            # in 2 s and sealed by their deadline's grace, its stage peers trained H steps in 8 s); wait for them
+            from hivemind.utils import get_dht_time
+
+            scheduled_time = max(scheduled_time, get_dht_time() + self.timeouts.round_timeout_s)
         pending.expected, pending.close = max(2, len(waited)), scheduled_time
         if self.follows:  # the deciders may have stored the certificate we lack since (one DHT read, followers only)
             stored = round_certificate(self.runtime, self.run.run_id, self.shard, pending.round - 1,
