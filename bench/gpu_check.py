@@ -186,10 +186,10 @@ def throughput_problems(figures: list[dict[str, Any]]) -> list[str]:
 
 def round_split(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Where each round's time went for one replica: training, exchange, training blocked on the exchange, and
-    everything else between two trainings; `wall_s` is the time since the previous round's record."""
+    everything else between two trainings; `wall_s` is the time since the previous round's training ended."""
     split, previous = [], None
     for r in sorted(rounds, key=lambda r: r["round"]):
-        ended = r.get("ended_at") or None
+        ended = r.get("trained_at") or None
         wall = ended - previous if ended and previous else None
         split.append(
             {

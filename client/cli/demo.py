@@ -200,9 +200,10 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def compute_utilisation(rounds: list[dict[str, Any]]) -> float | None:
-    """A peer's share of wall time spent in inner steps, from its first round's record to its last: Σ compute_s of
-    the rounds after the first over the time between their records (None with fewer than two timed records)."""
-    timed = sorted((r["ended_at"], r["compute_s"]) for r in rounds if r.get("ended_at"))
+    """A peer's share of wall time spent in inner steps, from the end of its first trained round to the end of its
+    last: Σ compute_s of the rounds after the first over the time between (`trained_at`; None with fewer than two
+    trained rounds)."""
+    timed = sorted((r["trained_at"], r["compute_s"]) for r in rounds if r.get("trained_at"))
     if len(timed) < 2 or timed[-1][0] <= timed[0][0]:
         return None
     return sum(compute for _, compute in timed[1:]) / (timed[-1][0] - timed[0][0])

@@ -84,8 +84,12 @@ class RoundRecord:
     apply (θ(t+1) into the model, start point, fingerprints, served state), eval, checkpoint. What to profile when
     utilisation is low: `overhead_s` is their sum plus waiting for the slowest member."""
     ended_at: float = 0.0
-    """Wall-clock (Unix) time the record was written: compute utilisation is Σ compute_s over the time between two
-    records."""
+    """Wall-clock (Unix) time the record was written."""
+    trained_at: float = 0.0
+    """Wall-clock (Unix) time the round's training ended (0: it trained nothing). Compute utilisation is Σ
+    compute_s over the time between two rounds' ends of training: under --overlap a record is written when its
+    round settles, mid-way through the next round's training, so the records' own times differ by one round's
+    exchange from the next's (the last round, settled with nothing training, looked 12% shorter than it was)."""
 
 
 def round_summary(record: RoundRecord) -> RoundSummary:

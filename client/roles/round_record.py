@@ -30,6 +30,8 @@ class Trained:
     """Wall time of the training loop, what happens between steps included: the round length a step costs."""
     accumulation: int = 1
     """Batches each inner step accumulated."""
+    ended_at: float = field(default_factory=time.time)
+    """Wall-clock time the loop ended (`RoundRecord.trained_at`)."""
 
     @property
     def idle_s(self) -> float:
@@ -128,5 +130,6 @@ def round_record(
         overhead_s=overhead_s,
         phases_s={phase: round(seconds, 4) for phase, seconds in phases.items()},
         ended_at=time.time(),
+        trained_at=trained.ended_at if trained else 0.0,
         **extras,
     )
