@@ -1,14 +1,16 @@
 """`python -m hetero_node.bench.gpu_check`: what this code gets out of one GPU, and whether a swarm on it agrees.
 
-Two parts, both written to `--out`/gpu_check.json and printed as tables:
+Three parts, written to `--out`/gpu_check.json (after each) and printed as tables:
 
 * **throughput**: the inner step (`InnerTrainer.train_step`, the one every replica runs) per preset at the shapes of
   issue 28 (178m at 32 × 1024, 1b at 8 × 1024), compiled and eager: tokens/s and MFU on random tokens of the
   preset's vocabulary. MFU counts 6 FLOPs per matmul weight and token plus attention's 12·L·d·T (PaLM's
   convention), over the GPU's dense bf16 peak.
+* **outer work**: what one member's outer step costs per shard of the swarm's preset (issue 28: at most 0.3 s per
+  shard of 178m): encoding Δ, decoding and combining 4 messages, the outer step, the fingerprint of θ(t+1).
 * **swarm**: `hetero-node demo` on one GPU (2 full replicas and one 2-stage virtual replica, every peer a real
   process), with and without `--overlap`. It must agree every round (one fingerprint per shard), every peer must
-  contribute to every round after the first, and no peer may fail; each full replica's compute utilisation and
+  contribute to every round, and no peer may fail; each full replica's compute utilisation and
   every round's time split (compute, exchange, blocked waiting, overhead) come from the peers' round records.
 
 It downloads nothing: the swarm trains on the bundled corpus already in the cache (`make gpu-wheels` copies it
@@ -172,6 +174,86 @@ def measure_step(cfg: GpuCheckConfig, preset: str, compile: bool, device: Any, p
     return figure
 
 
+OUTER_MEMBERS = 4
+"""Messages a member's outer step combines in the outer-work part: the 178m demo swarm's round (2 full replicas and
+a virtual replica: 3), and one more."""
+
+
+def measure_outer_work(cfg: GpuCheckConfig, device: Any) -> list[dict[str, Any]]:
+    """What a member's outer work costs per shard of the swarm's preset on this device (issue 28: at most 0.3 s per
+    shard for 178m): encoding Δ (error feedback, top-k, 2-bit values, into bytes), decoding and combining
+    `OUTER_MEMBERS` members' messages, the outer step, and the fingerprint of θ(t+1); the best of three rounds
+    (the first also warms the kernels up)."""
+    import torch
+
+    from hetero_node.models.shards import shard_parameter_names, shard_tensors
+    from hetero_node.models.transformer import Transformer
+    from hetero_node.protocol.outer_methods import outer_method
+    from hetero_node.protocol.run_config import OuterConfig, RunConfig
+
+    model_cfg = get_preset(cfg.swarm_preset)
+    stages = OuterConfig.stages
+    run = RunConfig(cfg.swarm_preset, model_cfg.vocab_size, cfg.swarm_batch_size, cfg.swarm_seq_len, 0, 1, "", "",
+                    OuterConfig(stages=stages, inner_steps=cfg.inner_steps))  # fmt: skip
+    model = Transformer(model_cfg, seed=0).to(device)
+    figures = []
+    for shard, names in enumerate(shard_parameter_names(model_cfg, stages)):
+        start = [p.detach() for p in shard_tensors(model, names)]
+        shapes = [tuple(p.shape) for p in start]
+        members = [outer_method(run, shapes, device) for _ in range(OUTER_MEMBERS)]
+        generator = torch.Generator(device=device).manual_seed(shard)
+        best: dict[str, float] = {}
+        for _ in range(3):
+            deltas = [[1e-3 * torch.randn(p.shape, device=device, generator=generator) for p in start]
+                      for _ in members]  # fmt: skip
+            times = _outer_round(members, start, deltas, device)
+            best = {k: min(v, best.get(k, v)) for k, v in times.items()}
+        figure = {f"{phase}_s": round(seconds, 4) for phase, seconds in best.items()}
+        figures.append({"shard": shard, "parameters": sum(p.numel() for p in start), "members": OUTER_MEMBERS,
+                        **figure, "total_s": round(sum(best.values()), 4)})  # fmt: skip
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return figures
+
+
+def _outer_round(members: list[Any], start: list[Any], deltas: list[list[Any]], device: Any) -> dict[str, float]:
+    """One round's outer work as member 0 does it, every member's message encoded (timed per member); seconds per
+    phase, each phase's device work waited for."""
+    from hetero_node.models.shards import fingerprint
+
+    clock = _PhaseClock(device)
+    payloads = [m.encode(d).payload for m, d in zip(members, deltas, strict=True)]
+    clock.mark("encode", per=len(members))
+    decoded = [members[0].decode(p) for p in payloads]
+    clock.mark("decode")
+    names = [str(i) for i in range(len(decoded))]
+    combined = members[0].combine(decoded, [1.0] * len(names), names)
+    clock.mark("combine")
+    new = members[0].update(start, combined)
+    clock.mark("update")
+    fingerprint(new)
+    clock.mark("fingerprint")
+    return clock.times
+
+
+class _PhaseClock:
+    """Seconds between marks, the device's queued work waited for at each."""
+
+    def __init__(self, device: Any) -> None:
+        self.device, self.times = device, {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str, per: int = 1) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[phase], self._last = (now - self._last) / per, now
+
+
 def throughput_problems(figures: list[dict[str, Any]]) -> list[str]:
     """What makes the throughput part fail: an error, a missing or non-finite figure, an MFU outside (0, 1)."""
     problems = []
@@ -212,13 +294,14 @@ def round_split(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def swarm_problems(report: dict[str, Any], rounds: int) -> list[str]:
     """What makes a swarm run fail: a failed peer, a round missing or disagreeing, a peer that did not contribute to
-    a round after the first (whose deadline a peer still starting up may miss: it then catches up)."""
+    a round (the first included: every peer waits for the others to have built their model, and the founding
+    members for each other's statements)."""
     summary = report["summary"]
     problems = [f"peer failed: {name}" for name in summary["failed_peers"]]
     if summary["rounds"] != rounds or summary["rounds_with_agreeing_fingerprints"] != rounds:
         problems.append(f"{summary['rounds_with_agreeing_fingerprints']} of {rounds} rounds agree")
     for peer in report["peers"]:
-        missed = sorted(set(range(1, rounds)) - {r["round"] for r in peer["rounds"] if r["contributed"]})
+        missed = sorted(set(range(rounds)) - {r["round"] for r in peer["rounds"] if r["contributed"]})
         if missed:
             problems.append(f"{peer['role']} {peer['peer_id'][-8:]} did not contribute to rounds {missed}")
     return problems
@@ -287,6 +370,16 @@ def _throughput_table(figures: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _outer_work_table(figures: list[dict[str, Any]], preset: str) -> Table:
+    table = Table(title=f"outer work per shard of {preset} (one member's, seconds; {OUTER_MEMBERS} messages combined)")
+    phases = ("encode", "decode", "combine", "update", "fingerprint", "total")
+    for column in ("shard", "parameters", *phases):
+        table.add_column(column)
+    for f in figures:
+        table.add_row(str(f["shard"]), f"{f['parameters']:,}", *(f"{f[f'{phase}_s']:.3f}" for phase in phases))
+    return table
+
+
 def _swarm_table(swarm: dict[str, Any]) -> Table:
     table = Table(title=f"swarm {'with' if swarm['overlap'] else 'without'} --overlap: full replicas' rounds")
     for column in ("replica", "utilisation (later half)", "round", "steps", "compute s", "exchange s", "blocked s",
@@ -332,6 +425,10 @@ def run_gpu_check(cfg: GpuCheckConfig, console: Console) -> dict[str, Any]:
     console.print(_throughput_table(result["throughput"]))
     problems = throughput_problems(result["throughput"])
     result["throughput_s"] = round(time.monotonic() - started, 1)
+    with console.status(f"timing the outer work of {cfg.swarm_preset}'s shards"):
+        result["outer_work"] = measure_outer_work(cfg, device)
+    console.print(_outer_work_table(result["outer_work"], cfg.swarm_preset))
+    problems += [f"outer work of shard {f['shard']}: {f}" for f in result["outer_work"] if not f["total_s"] > 0]
     _write(cfg.out, result)  # each part as it ends: a device call cut short keeps what it measured
     if cfg.swarm:
         if device.type == "cpu":  # the peers pick their device themselves (auto): keep them off any GPU too

@@ -84,6 +84,11 @@ def test_throughput_figures_on_cpu(tmp_path: Path) -> None:
     result = run_gpu_check(smoke_config(tmp_path, swarm=False), Console(quiet=True))
     check_throughput(result, 1.0)
     assert result["ok"] and result["problems"] == [] and result["swarm"] == []
+    phases = ("encode_s", "decode_s", "combine_s", "update_s", "fingerprint_s")
+    assert [f["shard"] for f in result["outer_work"]] == [0, 1]  # the swarm's two stage shards of tiny
+    for f in result["outer_work"]:
+        assert f["parameters"] > 100_000 and f["members"] == 4 and all(f[p] > 0 for p in phases)
+        assert f["total_s"] == pytest.approx(sum(f[p] for p in phases), abs=1e-3)
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == result
 
 
