@@ -1,6 +1,6 @@
-"""Our Δ in a round: for every held shard a worker thread encodes and serves it, states it and finishes the
-shard's round (or a step of its own when no other replica is alive) while the training thread goes on
-(`contribute`); afterwards, a Δ the aggregate does not hold is owed to a later round or forgotten (`drop_unused`).
+"""Our Δ in a round: encoded for every held shard and served, its group formed (or a step of its own when no other
+replica is alive) while the exchange finishes in worker threads (`contribute`); afterwards, a Δ the aggregate does
+not hold is owed to a later round or forgotten (`drop_unused`).
 
 `Contributing` is a part of `Replica` (`roles/replica.py`), written apart: it measures Δ with the role's `deltas`
 from the held θ(t), and leaves the round in `Replica.in_flight` for `Replica.settle`.
@@ -13,9 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from torch import Tensor
-
-from hetero_node.client.outer.shard_sync import PendingRound, ShardOutcome
+from hetero_node.client.outer.shard_sync import ShardOutcome
 from hetero_node.client.roles.overlap import weights_at_deadline
 from hetero_node.client.roles.round_record import InFlight, Trained
 from hetero_node.client.roles.schedule import RoundPlan
@@ -37,10 +35,7 @@ class Contributing:
     """The contributing part of `Replica` (see the module docstring)."""
 
     def contribute(self, plan: RoundPlan, trained: Trained | None) -> None:
-        """Start every held shard's round: its worker encodes Δ, states it and finishes the round (or a solo step
-        here when no other replica is alive). Under --overlap Δ is measured from a copy of the weights at the
-        deadline, so the training thread goes back to its steps at once: encoding 178m's two shards took it 0.5 s a
-        round on an H200."""
+        """Encode Δ for every held shard and start its group (or a solo step when no other replica is alive)."""
         from hivemind.utils import get_dht_time
 
         started = time.perf_counter()
@@ -52,62 +47,35 @@ class Contributing:
         self.clock.record_speed(trained.steps * trained.accumulation, trained.window_s)  # the time of one batch
         self.announce(step_s=round(self.clock.step_s, 4))  # the group's grace (1.5 of our steps) reads it now
         records = self.records()
-        cutoff = weights_at_deadline(self.params) if self.overlap else None
+        fps = self.fingerprints()
+        pendings = {}
+        encode_started = time.perf_counter()
+        for shard, sync in self.syncs.items():
+            try:
+                deltas = self.deltas(shard)
+                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], deltas, trained.tokens)
+            except PayloadError as e:
+                logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); receiving only", t, shard, e)
+                pendings[shard] = sync.contribution(t, self.start[shard], fps[str(shard)], None, 0)
+        encode_s = time.perf_counter() - encode_started
         stages = self.run_cfg.outer.stages
-        pendings: dict[int, PendingRound] = {}
-        futures: dict[int, concurrent.futures.Future[ShardOutcome]] = {}
         if view.replica_count(records, stages) <= 1:  # nobody else is alive: a group of one
-            for shard, sync in self.syncs.items():
-                encode_started = time.perf_counter()
-                pendings[shard] = self.encode(t, shard, trained.tokens, cutoff)
-                outcome = sync.solo(pendings[shard], self.live_members(records, shard))
-                outcome.phases_s["encode"] = time.perf_counter() - encode_started
-                futures[shard] = done_future(outcome)
+            futures = {
+                s: done_future(self.syncs[s].solo(p, self.live_members(records, s))) for s, p in pendings.items()
+            }
         else:
             scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
-            for shard in self.syncs:
-                coming, live = view.coming_members(records, t, shard, stages), self.live_members(records, shard)
+            futures = {}
+            for shard, pending in pendings.items():
+                coming = view.coming_members(records, t, shard, stages)
+                self.syncs[shard].begin(pending, coming, self.live_members(records, shard), scheduled)
+            for shard, pending in pendings.items():
                 futures[shard] = self._executor.submit(
-                    self.exchange, t, shard, trained.tokens, cutoff, coming, live, scheduled, pendings
+                    self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
                 )
+        cutoff = weights_at_deadline(self.params) if self.overlap else None
         comm_s = time.perf_counter() - started
-        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=comm_s)
-
-    def exchange(
-        self,
-        t: int,
-        shard: int,
-        tokens: int,
-        cutoff: dict[int, list[Tensor]] | None,
-        coming: list[str],
-        live: list[str],
-        scheduled: float,
-        pendings: dict[int, PendingRound],
-    ) -> ShardOutcome:
-        """A shard's round in its worker: encode and serve Δ (into `pendings`, which `settle` reads once the worker
-        is done), state it, seal and finish the round (`ShardSync.finish`)."""
-        encode_started = time.perf_counter()
-        pending = pendings[shard] = self.encode(t, shard, tokens, cutoff)
-        encode_s = time.perf_counter() - encode_started
-        sync = self.syncs[shard]
-        sync.begin(pending, coming, live, scheduled)
-        outcome = sync.finish(pending, self.moved_on(t, shard), self.vouched(t, shard))
-        outcome.phases_s["encode"] = encode_s
-        return outcome
-
-    def encode(self, t: int, shard: int, tokens: int, cutoff: dict[int, list[Tensor]] | None) -> PendingRound:
-        """Our message of `shard` for round t, Δ measured from `cutoff` (the weights at the deadline, under
-        --overlap) or from the live weights; a receive-only round when Δ is unusable."""
-        sync, start = self.syncs[shard], self.start[shard]
-        fp = self.fingerprints()[str(shard)]
-        try:
-            deltas = (
-                self.deltas(shard) if cutoff is None else [s - w for s, w in zip(start, cutoff[shard], strict=True)]
-            )
-            return sync.contribution(t, start, fp, deltas, tokens)
-        except PayloadError as e:
-            logger.error("round %d shard %d: my pseudo-gradient is unusable (%s); receiving only", t, shard, e)
-            return sync.contribution(t, start, fp, None, 0)
+        self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=comm_s, encode_s=encode_s)
 
     def live_members(self, records: dict[str, PeerRecord], shard: int) -> list[str]:
         """The shard's members that have a record: who still counts towards a quorum after a long wait."""

@@ -53,6 +53,8 @@ class InFlight:
     """Local weights at the deadline (the rebase point under --overlap; None: nothing trains meanwhile)."""
     comm_s: float = 0.0
     wait_s: float = 0.0
+    encode_s: float = 0.0
+    """Encoding and serving every shard's message."""
 
     @property
     def round(self) -> int:
@@ -94,7 +96,7 @@ def round_record(
     contributed = bool(outcomes) and group > 1 and all(o.contributed for o in outcomes)
     # every shard's Δ is either in the aggregate or owed (at least one owed): nothing was lost
     deferred = any(o.deferred for o in outcomes) and all(o.deferred or o.contributed for o in outcomes)
-    phases: dict[str, float] = {}
+    phases = {"encode": flight.encode_s} if flight is not None and flight.trained is not None else {}
     for outcome in outcomes:  # shards settle in parallel: the slowest one's time is the round's
         for phase, seconds in outcome.phases_s.items():
             phases[phase] = max(phases.get(phase, 0.0), seconds)
