@@ -382,7 +382,7 @@ def _outer_work_table(figures: list[dict[str, Any]], preset: str) -> Table:
 
 def _swarm_table(swarm: dict[str, Any]) -> Table:
     table = Table(title=f"swarm {'with' if swarm['overlap'] else 'without'} --overlap: full replicas' rounds")
-    for column in ("replica", "utilisation (later half)", "round", "steps", "compute s", "exchange s", "blocked s",
+    for column in ("replica", "utilisation: all, later half", "round", "steps", "compute s", "exchange s", "blocked s",
                    "overhead s", "round wall s", "contributed", "phases s"):  # fmt: skip
         table.add_column(column)
     for replica in swarm["replicas"]:

@@ -249,7 +249,8 @@ class ShardSync:
 
     def begin(self, pending: PendingRound, coming: list[str], live: list[str], scheduled_time: float) -> None:
         """Store our statement for the round: its set is sealed once every member `coming` has one (at least two),
-        or at `scheduled_time` (DHT time) with whoever has."""
+        or at `scheduled_time` (DHT time) with whoever has; in the swarm's first round at least --round-timeout-s
+        from now."""
         pending.roster = RosterRound(
             self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
         )

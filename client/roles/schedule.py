@@ -171,10 +171,9 @@ class RoundClock:
         half a step idles, a share 1/(2H) of a stretched round (H steps of `accumulation` batches), so L = O·u/(1 − u
         − 1/(2H)) (rounds sized by O·u/(1 − u) trained 88.5-89% instead of 90%). 0 when the target is off."""
         target = self.outer.overlap_utilisation if self.outer.overlap else self.outer.target_utilisation
-        idle_share = 0.0 if self.outer.overlap else 1 / (2 * self.outer.inner_steps)
         if target <= 0:
             return 0.0
-        slack = 1 - target - idle_share
+        slack = 1 - target - (0.0 if self.outer.overlap else 1 / (2 * self.outer.inner_steps))
         return overhead * target / slack if slack > 0 else math.inf
 
     def _full_overheads(self, records: dict[str, PeerRecord]) -> list[float]:
