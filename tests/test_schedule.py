@@ -100,12 +100,12 @@ def test_a_replica_behind_learns_its_round_is_over_from_replicas_training_a_late
 
 def test_a_round_is_stretched_until_training_fills_the_target_share_next_to_the_swarms_overhead() -> None:
     """On a GPU H steps take a fraction of a second and the exchange seconds: L grows to O·u/(1 − u − 1/(2H)) for
-    the lower median overhead O (the half step a replica idles before the deadline counted), so neither one slow link
-    nor one lying record sets everyone's round."""
+    the upper median overhead O (the half step a replica idles before the deadline counted), so neither one slow link
+    nor one lying record among three sets everyone's round."""
     fast = [replica(name, step_s=0.2) for name in ("a", "b", "c")]  # H = 10 steps: 2 s
     overheads = (1.0, 2.0, 500.0)
     records = {pid: record.copy(update={"overhead_s": o}) for (pid, record), o in zip(fast, overheads, strict=True)}
-    assert clock().round_length(records) == pytest.approx(2.0 * 0.9 / 0.05)  # lower median of 1, 2, 500: 2 s; 36 s
+    assert clock().round_length(records) == pytest.approx(2.0 * 0.9 / 0.05)  # median of 1, 2, 500: 2 s; 36 s
     assert clock(target_utilisation=0.5).round_length(records) == pytest.approx(2.0 * 0.5 / 0.45)
     assert clock(target_utilisation=0.0).round_length(records) == pytest.approx(2.0)  # off: H steps
     assert clock(round_s=7.0).round_length(records) == 7.0  # an explicit length wins
@@ -114,35 +114,40 @@ def test_a_round_is_stretched_until_training_fills_the_target_share_next_to_the_
 
 
 def test_an_overlapped_round_is_stretched_for_its_own_target_and_no_idle_half_step() -> None:
-    """Under --overlap a replica starts the next round's steps as soon as it stops: only its settling costs training,
-    so L = O·u/(1 − u) for --overlap-utilisation u (0.95 by default)."""
+    """Under --overlap rounds follow at a fixed cadence L and a replica pays its overhead O inside it: training
+    fills (L − O)/L, so L = O/(1 − u) for --overlap-utilisation u (0.95 by default; O·u/(1 − u) reached 94.7%)."""
     records = {pid: r.copy(update={"overhead_s": 1.0}) for pid, r in [replica("a", step_s=0.2)]}
-    assert clock(overlap=True).round_length(records) == pytest.approx(1.0 * 0.95 / 0.05)
-    assert clock(overlap=True, overlap_utilisation=0.9).round_length(records) == pytest.approx(9.0)
+    assert clock(overlap=True).round_length(records) == pytest.approx(1.0 / 0.05)
+    length = clock(overlap=True, overlap_utilisation=0.9).round_length(records)
+    assert length == pytest.approx(10.0) and (length - 1.0) / length == pytest.approx(0.9)
     assert clock(overlap=True, overlap_utilisation=0.0).round_length(records) == pytest.approx(2.0)  # off
-    assert clock(overlap=True, target_utilisation=0.0).round_length(records) == pytest.approx(19.0)  # not this one
+    assert clock(overlap=True, target_utilisation=0.0).round_length(records) == pytest.approx(20.0)  # not this one
 
 
 def test_the_round_is_stretched_for_the_full_replicas_overhead_not_the_stage_peers_smaller_one() -> None:
     """The GPU check's swarm: full replicas spent ~6 s a round outside training (two shards, eval, checkpoint), its
-    stage peers ~2 s; the lower median of all four (2.3 s) gave full replicas 70% utilisation."""
+    stage peers ~2 s; the lower median of all four (2.3 s) gave full replicas 70% utilisation. Of a pair of full
+    replicas the larger overhead counts: the earliest deadline wins, and the lower one left that replica below its
+    target every round."""
     full = [replica(name, step_s=0.5) for name in ("a", "b")]
     stages = [(peer_id(n), peer_record(n, role=ROLE_STAGE, stage=i, vr=0, step_s=0.5)) for i, n in enumerate("cd")]
     overheads = {peer_id(n): o for n, o in {"a": 6.0, "b": 6.4, "c": 2.0, "d": 2.3}.items()}
     records = {pid: record.copy(update={"overhead_s": overheads[pid]}) for pid, record in [*full, *stages]}
-    assert clock().round_length(records) == pytest.approx(6.0 * 18)  # lower median of the full replicas'
+    assert clock().round_length(records) == pytest.approx(6.4 * 18)  # upper median of the full replicas'
     only_stages = {pid: r for pid, r in records.items() if r.role == ROLE_STAGE}
-    assert clock().round_length(only_stages) == pytest.approx(2.0 * 18)  # no full replica: every peer's
+    assert clock().round_length(only_stages) == pytest.approx(2.3 * 18)  # no full replica: every peer's
 
 
 def test_a_replica_folds_its_own_measured_overhead_into_the_round_length() -> None:
     mine = clock()
     records = dict([replica("a", step_s=0.2)])
     assert mine.round_length(records) == pytest.approx(2.0)  # nothing measured yet
-    mine.record_overhead(1.0)
-    mine.record_overhead(3.0)  # EMA: 2.0
-    assert mine.overhead_s == pytest.approx(2.0)
-    assert mine.round_length(records) == pytest.approx(2.0 * 18)
+    mine.record_overhead(4.0)
+    mine.record_overhead(1.0)  # a smaller figure fades in (EMA): 2.5
+    assert mine.overhead_s == pytest.approx(2.5)
+    mine.record_overhead(3.0)  # a larger one than the estimate counts at once
+    assert mine.overhead_s == pytest.approx(3.0)
+    assert mine.round_length(records) == pytest.approx(3.0 * 18)
 
 
 def test_a_full_replicas_own_overhead_floors_the_round_a_stale_record_would_shorten() -> None:

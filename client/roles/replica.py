@@ -100,8 +100,8 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         """The entries of E_S the last outer step changed (subspace runs), served to later stages."""
         self.in_flight: InFlight | None = None
         self.trained_until: tuple[int, float, float] | None = None
-        """(round, perf_counter time, its `Trained.idle_s`) at which this replica's last training ended: the next
-        round's overhead (`RoundClock.record_overhead`) is measured from it."""
+        """(round, perf_counter time, its `Trained.idle_s` plus its planning) at which this replica's last training
+        ended: the next round's overhead (`RoundClock.record_overhead`) is measured from it."""
         self.checkpoints: CheckpointWriter | None = None
         self.failed_settles = 0
         """Rounds in a row whose result we could not get though others are ahead: we wait before trying again."""
@@ -222,9 +222,11 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
                     self.settle(wait=True)
                     break
                 self.measure_overhead(t)
+                planning = time.perf_counter()
                 plan = self.plan(t)
+                planning = time.perf_counter() - planning
                 trained = self.train(plan)
-                self.trained_until = None if trained is None else (t, time.perf_counter(), trained.idle_s)
+                self.trained_until = None if trained is None else (t, time.perf_counter(), trained.idle_s + planning)
                 if self.stop.is_set():
                     break
                 self.settle(wait=True)  # Δ is measured from θ(t): round t−1's result must be in
@@ -259,8 +261,10 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
 
     def measure_overhead(self, t: int) -> None:
         """What round t − 1 cost outside training: from the end of its training to now, the start of round t's
-        planning (settling, exchange, outer step, catch-up), plus what its training loop spent not training
-        (under --overlap the previous round settles between steps). Only between consecutive rounds we trained."""
+        planning (settling, exchange, outer step, catch-up), plus its own planning (a records read and an
+        announce: this round's comes after the measure) and what its training loop spent
+        not training (under --overlap the previous round settles between steps). Only between consecutive rounds
+        we trained."""
         if self.trained_until is not None and self.trained_until[0] == t - 1:
             _, ended, idle_s = self.trained_until
             self.clock.record_overhead(time.perf_counter() - ended + idle_s)

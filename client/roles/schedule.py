@@ -9,11 +9,11 @@ and a replica three times slower about H/3.
 A round must also be long enough for what it costs outside training: exchange, outer step, catch-up. On a GPU an
 inner step takes milliseconds, and H of them are far shorter than the round's own fixed costs, so a replica would
 spend most of its time not training. Each replica measures that overhead O (the time from the end of one round's
-training to the start of the next's), advertises it (`overhead_s`), and L is at least about O·u/(1 − u) for the
-lower median O of the swarm (a full replica's own O at least) and `--target-utilisation` u (`--overlap-utilisation`
-under --overlap): training then fills at least u of a typical replica's time (`RoundClock.stretched`). The lower
-median, so that one slow link or one lying record cannot stretch everyone's round; and at most `MAX_STRETCH` times H
-steps.
+training to the start of the next's), advertises it (`overhead_s`), and L is at least about O·u/(1 − u) (O/(1 − u)
+under --overlap) for the upper median O of the full replicas (a full replica's own O at least) and
+`--target-utilisation` u (`--overlap-utilisation` under --overlap): training then fills at least u of the time of
+most full replicas, both of a pair (`RoundClock.stretched`). A median, so that one slow link or one lying record
+among three or more cannot stretch everyone's round; and at most `MAX_STRETCH` times H steps.
 
 A stretched round keeps H inner steps and makes each of them bigger: a full replica accumulates the gradients of
 `accumulation` = ⌊L / (H steps of the fastest replica)⌋ batches per inner step. More steps per round would fill the
@@ -121,9 +121,12 @@ class RoundClock:
             self.step_s = measured if self.step_s <= 0 else (1 - STEP_EMA) * self.step_s + STEP_EMA * measured
 
     def record_overhead(self, seconds: float) -> None:
-        """Fold the time between the end of one round's training and the start of the next's into the estimate."""
+        """Fold the time between the end of one round's training and the start of the next's into the estimate: a
+        larger figure at once, a smaller one by the EMA. The target utilisation is a floor, and rounds sized by the
+        plain EMA of a growing overhead trained below it (CPU short-step demo under --overlap: 94.1% for 95%)."""
         if seconds > 0:
-            self.overhead_s = seconds if self.overhead_s <= 0 else (1 - STEP_EMA) * self.overhead_s + STEP_EMA * seconds
+            faded = (1 - STEP_EMA) * self.overhead_s + STEP_EMA * seconds
+            self.overhead_s = max(seconds, faded) if seconds > self.overhead_s else faded
 
     def fastest_step_s(self, records: dict[str, PeerRecord]) -> float | None:
         """The fastest replica's time per batch, ours included (None while nobody measured one)."""
@@ -140,9 +143,11 @@ class RoundClock:
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
         """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills the target
-        share of a round (`target`) next to the lower-median overhead of the full replicas (of every peer when none
+        share of a round (`target`) next to the upper-median overhead of the full replicas (of every peer when none
         measured one yet): pipeline stages fill a longer round with steps anyway, and their smaller overhead (one
-        shard, no checkpoint) set rounds in which GPU full replicas trained 70% of the time. A full replica's own
+        shard, no checkpoint) set rounds in which GPU full replicas trained 70% of the time. The upper median: with
+        the lower one the replica of a pair with the larger overhead trained below its target in every round
+        (the earliest deadline wins; on the H200 92-93% against 95%). A full replica's own
         overhead is a floor: it is this round's cost as measured just now, while another's record may still show a
         round-old figure (under --overlap on a GPU, one replica planned a 9 s round from its peer's stale 1 s where
         both then measured 2 s). None while no step time is known, and for synchronous rounds: with
@@ -158,22 +163,27 @@ class RoundClock:
         length = self.outer.inner_steps * fastest
         overheads = sorted(self._full_overheads(records) or self._overheads(records.values(), mine=True))
         if overheads:
-            overhead = overheads[(len(overheads) - 1) // 2]
+            overhead = overheads[len(overheads) // 2]
             if self.accumulate:
                 overhead = max(overhead, self.overhead_s)
             length = max(length, min(self.stretched(overhead), MAX_STRETCH * length))
         return length
 
     def stretched(self, overhead: float) -> float:
-        """The shortest round in which training fills the target share u next to `overhead` O. Under --overlap a
-        replica starts the next round's steps as soon as it stops, so only O costs: L = O·u/(1 − u). Without it a
-        replica stops when the next step would overrun the deadline and then waits for the round's group: on average
-        half a step idles, a share 1/(2H) of a stretched round (H steps of `accumulation` batches), so L = O·u/(1 − u
-        − 1/(2H)) (rounds sized by O·u/(1 − u) trained 88.5-89% instead of 90%). 0 when the target is off."""
-        target = self.outer.overlap_utilisation if self.outer.overlap else self.outer.target_utilisation
+        """The shortest round in which training fills the target share u next to `overhead` O. Under --overlap
+        rounds follow at a fixed cadence (deadline(t) = deadline(t−1) + L) and O is paid inside that period, so
+        training fills (L − O)/L: L = O/(1 − u) (sized by O·u/(1 − u), a round could reach only (2u − 1)/u, 94.7% of
+        a 95% target). Without it the window L is followed by the exchange, O is paid on top of it, and a replica
+        stops when the next step would overrun the deadline: on average half a step idles, a share 1/(2H) of a
+        stretched round (H steps of `accumulation` batches), so L = O·u/(1 − u − 1/(2H)) (rounds sized by
+        O·u/(1 − u) trained 88.5-89% instead of 90%). 0 when the target is off."""
+        if self.outer.overlap:
+            target = self.outer.overlap_utilisation
+            return overhead / (1 - target) if target > 0 else 0.0  # u < 1 (RunConfig)
+        target = self.outer.target_utilisation
         if target <= 0:
             return 0.0
-        slack = 1 - target - (0.0 if self.outer.overlap else 1 / (2 * self.outer.inner_steps))
+        slack = 1 - target - 1 / (2 * self.outer.inner_steps)
         return overhead * target / slack if slack > 0 else math.inf
 
     def _full_overheads(self, records: dict[str, PeerRecord]) -> list[float]:
