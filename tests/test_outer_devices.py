@@ -96,3 +96,23 @@ def test_a_member_on_a_gpu_gets_the_cpu_members_bits(method: str, aggregation: s
     on_device = one_round(method, aggregation, "cuda", start(device="cuda"))
     assert all(t.device.type == "cuda" for t in on_device)
     assert fingerprint(on_device) == fingerprint(on_cpu)
+
+
+def test_a_gpu_tensors_fingerprint_is_its_cpu_copys_across_staging_pieces() -> None:
+    """A device tensor reaches the hash in pieces through two pinned buffers (`models/shards._host_bytes`): pieces
+    that straddle tensors, a tensor of several pieces, bf16 and a non-contiguous view must all hash as on a CPU.
+    Needs a GPU; on a CPU-only machine it skips."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine: `make gpu-check` runs this test on a GPU")
+    from hetero_node.models.shards import STAGING_BYTES
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(STAGING_BYTES // 4 * 2 + 123, generator=gen),  # two pieces and a short third
+        torch.randn(300, 70, generator=gen).to(torch.bfloat16).t(),  # non-contiguous
+        torch.zeros(0),
+        torch.randn(17, generator=gen),
+    ]
+    on_device = [t.to("cuda") for t in tensors]
+    assert fingerprint(on_device) == fingerprint(tensors)
+    assert fingerprint(on_device) != fingerprint([*tensors[:3], tensors[3] + 1])
