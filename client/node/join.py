@@ -11,6 +11,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from typing import Any
 
@@ -26,12 +27,14 @@ from hetero_node.client.node.capabilities import measure_throughput, probe_hardw
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.metrics import RoundRecord
+from hetero_node.client.swarm.addresses import identity_taken
 from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
 from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.reachability import reachable_runtime
 from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.client.swarm.twin_check import live_twin
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
@@ -147,6 +150,7 @@ def run_node(
 
     swarm_key = load_swarm_key(node.swarm_key)
     identity = node.identity or (node.checkpoint_dir / IDENTITY_NAME if node.checkpoint_dir is not None else None)
+    known_key = identity is not None and identity.exists()  # a key made now is nobody else's
     runtime = reachable_runtime(
         lambda relays: PeerRuntime(node.peers, node.host, node.port, identity, swarm_key=swarm_key, relays=relays),
         node.reachability,
@@ -169,6 +173,7 @@ def run_node(
         devices = resolve_devices(node.device, node.devices)
         requested_role = role_for_run(run, requested_role, len(devices))
         runtime.join_run(run.run_id)
+        twin = stack.enter_context(ThreadPoolExecutor(1)).submit(live_twin, runtime, stop) if known_key else None
         metrics = serve_node_metrics(stack, node, run, runtime)
         if metrics is not None:
             on_round = _both(on_round, metrics.observe_round)
@@ -176,6 +181,8 @@ def run_node(
         shape = RunShape.from_run(run)
         req = requirements(shape)
         record = _initial_record(runtime, run, req, node, requested_role, pinned_stage, devices)
+        if twin is not None and twin.result() and identity is not None:  # checked while this node was measured
+            raise ConfigError(identity_taken(identity))
         membership = Membership(runtime, req, record, node.record_refresh_s, node.settle_s, stop, MarginalGain(shape))
         on_status(f"run {run.run_id}: choosing a role")
         if membership.settle() is None:

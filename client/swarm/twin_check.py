@@ -1,0 +1,39 @@
+"""A second node started with a live node's key, caught from the swarm's records.
+
+hivemind's own check (`check_if_identity_free`: dial our peer id through the bootstrap) reads any failure to
+connect as "free", a slow lookup on a loaded machine included: in one of four local suite runs the second node
+joined, and the two wrote over each other's record. A live node rewrites its record every `refresh_s`
+(`PeerRuntime.announce`), so a record of our peer id rewritten while this node starts is another live process; a
+record that is not is the last word of a node that has stopped (our own previous run, restarted on the same key).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from hetero_node.client.swarm.runtime import PeerRuntime
+
+logger = logging.getLogger(__name__)
+
+REWRITE_PERIODS = 1.5
+"""How many of the found record's refresh periods to wait for its rewrite: one, and half of one for a store that a
+loaded machine makes late."""
+MAX_WAIT_S = 60.0
+"""At most this long (a node refreshing its record less often than every 40 s may then go unnoticed)."""
+
+
+def live_twin(runtime: PeerRuntime, stop: threading.Event) -> bool:
+    """Whether another live process writes records under our peer id. Call it before this node's first record:
+    it waits `REWRITE_PERIODS` refresh periods when our peer id has a record, none when it has none (or the DHT
+    does not answer: hivemind's check stands then)."""
+    me = str(runtime.peer_id)
+    first = (runtime.read_records() or {}).get(me)
+    if first is None:
+        return False
+    wait_s = min(MAX_WAIT_S, REWRITE_PERIODS * first.refresh_s)
+    logger.info("a record of this node's key is in the swarm: checking for %.1f s that its node has stopped", wait_s)
+    if stop.wait(wait_s):
+        return False
+    again = (runtime.read_records() or {}).get(me)
+    return again is not None and again.written_at > first.written_at
