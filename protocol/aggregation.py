@@ -164,8 +164,8 @@ def aggregate(
         scale = torch.tensor(factor * w, dtype=torch.float32, device=device)
         weight = torch.tensor(w, dtype=torch.float32, device=device)
         for t, part in enumerate(msg.tensors):
-            positions = msg.plan(t).positions(part.indices).to(device)
-            sums[t].index_add_(0, positions, dequantize(part).to(device) * scale)
+            positions = msg.plan(t).positions(part.indices, device)
+            sums[t].index_add_(0, positions, dequantize(part, device) * scale)
             totals[t].index_add_(0, positions, weight.expand(positions.numel()))
     tensors = [
         torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s).view(tuple(shape))
@@ -224,7 +224,7 @@ def _robust(
             clip_factors[k] = min(clip_factors[k], factor)
             bound = float(torch.tensor(peak * w, dtype=torch.float32))
             values = (dequantize(part) * torch.tensor(factor, dtype=torch.float32)).clamp(-bound, bound).to(device)
-            positions = contributions[i].plan(t).positions(part.indices).to(device)
+            positions = contributions[i].plan(t).positions(part.indices, device)
             total.index_add_(0, positions, values * torch.tensor(w, dtype=torch.float32, device=device))
         tensors.append((total / total_weight).view(tuple(shape)))
     return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)

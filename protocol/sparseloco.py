@@ -120,13 +120,22 @@ class ChunkPlan:
         starts[1:] = origins[1:] != origins[:-1]
         return starts
 
-    def positions(self, indices: Tensor) -> Tensor:
-        """Flat row-major positions in the tensor of the transmitted entries, given their in-chunk indices."""
-        idx = indices.to(device="cpu", dtype=torch.int64)
+    def positions(self, indices: Tensor, device: torch.device | str = "cpu") -> Tensor:
+        """Flat row-major positions in the tensor of the transmitted entries, given their in-chunk indices, computed
+        on `device` (exact integer arithmetic: the same on every device; on a GPU the int16 indices travel instead of
+        int64 positions, and the device does the arithmetic)."""
+        idx = indices.to(device=device, dtype=torch.int64)
+        origins = _entry_origins_on(self, idx.device)
         if self.block is None:
-            return self.entry_origins + idx
+            return origins + idx
         w = self.block[1]
-        return self.entry_origins + (idx // w) * self.cols + idx % w
+        return origins + (idx // w) * self.cols + idx % w
+
+
+@functools.lru_cache(maxsize=256)
+def _entry_origins_on(plan: ChunkPlan, device: torch.device) -> Tensor:
+    """`plan.entry_origins` on `device`, uploaded once (a model has few distinct shapes)."""
+    return plan.entry_origins if device.type == "cpu" else plan.entry_origins.to(device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -201,9 +210,11 @@ def decode_table(part: CompressedTensor) -> Tensor:
     return torch.tensor(part.lookup, dtype=torch.float32) + torch.tensor(part.mean, dtype=torch.float32)
 
 
-def dequantize(part: CompressedTensor) -> Tensor:
-    """The transmitted values of one tensor (fp32, CPU), in transmission order."""
-    return decode_table(part).index_select(0, part.codes.to(torch.int64))
+def dequantize(part: CompressedTensor, device: torch.device | str = "cpu") -> Tensor:
+    """The transmitted values of one tensor (fp32, on `device`), in transmission order: table lookups, the same bits
+    on every device (on a GPU the uint8 codes travel, not fp32 values)."""
+    table = decode_table(part).to(device)
+    return table.index_select(0, part.codes.to(device=table.device, dtype=torch.int64))
 
 
 def decompress(msg: SparseMessage) -> list[Tensor]:
@@ -332,8 +343,8 @@ class ErrorFeedbackCompressor:
             indices, values = _select(acc, plan)
             codes, mean, lookup = _quantize(values, cfg.range_sigmas)
             part = CompressedTensor(self.shapes[i], indices.to("cpu", torch.int16), codes, mean, lookup)
-            sent = dequantize(part).to(buf.device)
-            acc.view(-1).index_add_(0, plan.positions(part.indices).to(buf.device), -sent)
+            sent = dequantize(part, buf.device)
+            acc.view(-1).index_add_(0, plan.positions(indices, buf.device), -sent)  # the indices still on the device
             new_buffers.append(acc)
             parts.append(part)
         self._buffers = new_buffers
@@ -350,8 +361,8 @@ class ErrorFeedbackCompressor:
         for i, part in enumerate(message.tensors):
             plan = chunk_plan(self.shapes[i], self.config.chunk, self.config.topk)
             buf = buffers[i]
-            sent = dequantize(part).to(buf.device)
-            positions = plan.positions(part.indices).to(buf.device)
+            sent = dequantize(part, buf.device)
+            positions = plan.positions(part.indices, buf.device)
             buf.view(-1).index_add_(0, positions, sent if scale == 1.0 else scale * sent)
 
     @property
