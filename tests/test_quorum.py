@@ -258,3 +258,52 @@ def test_a_member_restarted_or_rejoining_mid_round_keeps_the_seal_it_cast_before
         assert rejoined.new_tensors is None and rejoined.deferred
         time.sleep(1.0)
         assert (roster.seals() or {}).get(member.me) == sealed
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(180)
+def test_members_wait_for_a_late_base_members_seal_instead_of_voiding_a_round_it_then_decides() -> None:
+    """The kill soak's fork of round 41: the base was two members; three gave the round up after --matchmaking-s
+    with one seal in, and the other base member, a restarted stage that had just loaded a state, sealed 4 s later,
+    read a majority and applied a set they had voided. Now a member waits on (up to --round-timeout-s) while a base
+    member that has not sealed may still (`Contributing.may_seal`: its record is fresh and a round away at most);
+    told that none may, it voids as before."""
+    from hivemind.utils import get_dht_time
+
+    with swarm(3) as runtimes:
+        stop = threading.Event()
+        timeouts = SyncTimeouts(matchmaking_s=1.0, round_timeout_s=30.0)
+        syncs = [ShardSync(r, run_config(), 0, SHAPES, timeouts, stop) for r in runtimes]
+        start = [torch.full(s, 0.25) for s in SHAPES]
+        round0 = contribute(syncs[:2], 0, start, seed=0)  # members 0 and 1: round 1's base
+        theta = round0[0].new_tensors
+        assert theta is not None and all(s.certificate is not None for s in syncs[:2])
+        syncs[2].adopt(syncs[0].certificate)  # member 2 took θ(1) and its certificate from them
+        names = [s.me for s in syncs]
+
+        def member(i: int, round_: int, delay_s: float, in_reach: bool) -> ShardOutcome:
+            time.sleep(delay_s)
+            delta = [1e-2 * torch.randn(s, generator=torch.Generator().manual_seed(10 * round_ + i)) for s in SHAPES]
+            pending = syncs[i].contribution(round_, theta, fingerprint(theta), delta, 64)
+            syncs[i].begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 1.0)
+            outcome = syncs[i].finish(pending, lambda: False, lambda: None, lambda missing: in_reach)
+            if not outcome.contributed:
+                syncs[i].drop(pending)
+            return outcome
+
+        with ThreadPoolExecutor(3) as pool:  # base member 1 seals 2 s after the others gave up waiting for it
+            jobs = [pool.submit(member, i, 1, 4.0 * (i == 1), in_reach=True) for i in range(3)]
+            outcomes = [job.result() for job in jobs]
+        assert all(o.new_tensors is not None and not o.uncertified for o in outcomes), outcomes
+        assert len({fingerprint(o.new_tensors) for o in outcomes}) == 1  # type: ignore[arg-type]
+        assert {o.contributors for o in outcomes} == {2}  # members 0 and 2: member 1 stated after they sealed
+
+        theta = outcomes[0].new_tensors
+        # round 2's base is round 1's authors, members 0 and 2; told that member 0 will not seal (its record is
+        # stale, or past the round), members 1 and 2 void it after --matchmaking-s
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            late = [pool.submit(member, i, 2, 0.0, in_reach=False) for i in (1, 2)]
+            voided = [job.result() for job in late]
+        assert all(o.new_tensors is None and o.uncertified for o in voided), voided
+        assert time.monotonic() - started < timeouts.round_timeout_s

@@ -144,13 +144,23 @@ class RosterRound:
         return [*(s for name, s in seals.items() if name != ours.sealer), ours]
 
     def decide(
-        self, ours: Seal, seals: list[Seal], base: frozenset[str], wait_s: float, certified_base: bool = True
+        self,
+        ours: Seal,
+        seals: list[Seal],
+        base: frozenset[str],
+        wait_s: float,
+        certified_base: bool = True,
+        may_seal: Callable[[frozenset[str]], bool] | None = None,
+        longest_s: float = 0.0,
     ) -> Vote | None:
         """The round's set once the seals decide it (`protocol/roster.py`: by a majority of `base`, or, when no
         certificate gave the base, `unanimous`ly); None when none can be any more, or the seals did not decide one
-        within `wait_s`. Our seal never changes (it is a vote); when every seal is alike (the happy path) it
-        returns at once, with no store or read more."""
-        give_up = time.monotonic() + wait_s
+        within `wait_s`, or past it, up to `longest_s`, while `may_seal` says no base member still missing may seal
+        (a void is our own conclusion: in the kill soak three members gave a round up after --matchmaking-s, a
+        fourth sealed 4 s later, read a majority and applied a set they had voided). Our seal never changes (it is a
+        vote); when every seal is alike (the happy path) it returns at once, with no store or read more."""
+        started = time.monotonic()
+        give_up, next_check, logged = started + wait_s, started + wait_s, False
         while True:
             if certified_base:
                 won = decided(seals, ours.start_fp, base)
@@ -158,10 +168,21 @@ class RosterRound:
             else:
                 won = unanimous(seals, ours.start_fp, base)
                 hopeless = won is None and split(seals, ours.start_fp)
-            if won is not None or hopeless:
+            if won is not None or hopeless or self.stop.is_set():
                 return won
-            if time.monotonic() >= give_up or self.stop.is_set():
-                return None
+            now = time.monotonic()
+            if now >= give_up:
+                missing = base - {s.sealer for s in seals}
+                if now >= started + longest_s or may_seal is None or not missing:
+                    return None
+                if now >= next_check:  # a records read: at most once a second
+                    if not may_seal(missing):
+                        return None
+                    if not logged:
+                        logger.info("shard %d round %d: waiting on for the seals of %s (in reach of this round)",
+                                    self.shard, self.round, ", ".join(sorted(m[-6:] for m in missing)))  # fmt: skip
+                        logged = True
+                    next_check = now + MOVED_ON_EVERY_S
             self.stop.wait(POLL_S)
             latest = self.seals()
             if latest is not None:

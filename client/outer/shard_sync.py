@@ -293,13 +293,18 @@ class ShardSync:
     # ------------------------------------------------------------------------------------------------- finish
 
     def finish(
-        self, pending: PendingRound, swarm_moved_on: Callable[[], bool], vouched: Callable[[], str | None]
+        self,
+        pending: PendingRound,
+        swarm_moved_on: Callable[[], bool],
+        vouched: Callable[[], str | None],
+        may_seal: Callable[[frozenset[str]], bool] | None = None,
     ) -> ShardOutcome:
         """Agree on the round's contributor set, then compute θ(t+1) exactly as every other member does (safe in a
         worker thread).
 
         While the statements come in, `swarm_moved_on` is polled: once the others finished this round without us,
         waiting longer cannot help. `vouched` breaks a tie of start fingerprints (see `majority_fingerprint`).
+        `may_seal` says whether members of the base that have not sealed may still (up to --round-timeout-s).
         """
         from hivemind.utils import get_dht_time
 
@@ -347,7 +352,8 @@ class ShardSync:
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         seals = roster.await_seals(ours, self.timeouts.matchmaking_s)
-        won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s, pending.certified_base)
+        won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s, pending.certified_base, may_seal,
+                            self.timeouts.round_timeout_s)  # fmt: skip
         if won is None:
             everyone = frozenset(s.sealer for s in seals if s.start_fp == majority)
             self._not_certified(pending, everyone)

@@ -71,8 +71,9 @@ class Contributing:
                 self.syncs[shard].begin(pending, coming, self.live_members(records, shard), scheduled)
             for shard, pending in pendings.items():
                 futures[shard] = self._executor.submit(
-                    self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard)
-                )
+                    self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard),
+                    self.may_seal(t),
+                )  # fmt: skip
         cutoff = weights_at_deadline(self.params) if self.overlap else None
         comm_s = time.perf_counter() - started
         self.in_flight = InFlight(plan, trained, pendings, futures, cutoff, comm_s=comm_s, encode_s=encode_s)
@@ -90,6 +91,22 @@ class Contributing:
             records = self.records(timeout=1.0)
             return view.vouched_fingerprint(records, t, str(shard), me="") or view.certified_fingerprint(
                 records, t, str(shard)
+            )
+
+        return check
+
+    def may_seal(self, t: int) -> Callable[[frozenset[str]], bool]:
+        """Whether any of these members, who have not sealed round t, may still: its record holds θ(t−1) or θ(t) (a
+        member a round behind, a restarted one that loaded a state), it has not given the round up (train_round
+        −1: it takes the result from others), and its node rewrote it within the last 1.5 refresh periods (a killed
+        or frozen node stops rewriting it). One further behind, or past round t, will not seal it in time."""
+        from hivemind.utils import get_dht_time
+
+        def check(missing: frozenset[str]) -> bool:
+            records, now = self.records(timeout=1.0), get_dht_time()
+            return any(
+                r.round in (t - 1, t) and r.train_round >= t - 1 and now - r.written_at <= 1.5 * r.refresh_s
+                for r in (records[pid] for pid in missing if pid in records)
             )
 
         return check
