@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 from factories import peer_id, peer_record
+from hivemind.utils import get_dht_time
 
 from hetero_node.client.swarm.twin_check import live_twin
 from hetero_node.protocol.records import PeerRecord
@@ -26,17 +27,24 @@ class SwarmRecords:
         return self.reads.pop(0)
 
 
-def mine(written_at: float) -> PeerRecord:
-    return peer_record("me", refresh_s=0.1, written_at=written_at)
+def mine(age_s: float = 0.0) -> PeerRecord:
+    """A record of our key written `age_s` ago, rewritten every 0.2 s by its node."""
+    return peer_record("me", refresh_s=0.2, written_at=get_dht_time() - age_s)
 
 
 def test_a_record_of_our_key_rewritten_while_we_wait_is_a_live_twin() -> None:
-    assert live_twin(SwarmRecords({ME: mine(100.0)}, {ME: mine(100.1)}), threading.Event())  # type: ignore[arg-type]
+    first = mine()
+    rewritten = first.copy(update={"written_at": first.written_at + 0.2})
+    assert live_twin(SwarmRecords({ME: first}, {ME: rewritten}), threading.Event())  # type: ignore[arg-type]
 
 
 def test_a_record_of_our_key_left_as_it_was_is_a_stopped_node() -> None:
-    assert not live_twin(SwarmRecords({ME: mine(100.0)}, {ME: mine(100.0)}), threading.Event())  # type: ignore[arg-type]
-    assert not live_twin(SwarmRecords({ME: mine(100.0)}, {}), threading.Event())  # type: ignore[arg-type]  # expired
+    first = mine()
+    assert not live_twin(SwarmRecords({ME: first}, {ME: first}), threading.Event())  # type: ignore[arg-type]
+    assert not live_twin(SwarmRecords({ME: first}, {}), threading.Event())  # type: ignore[arg-type]  # expired
+    stale = SwarmRecords({ME: mine(age_s=0.5)})  # a rewrite was due 0.2 s after it, 0.3 s ago: no wait, one read
+    assert not live_twin(stale, threading.Event())  # type: ignore[arg-type]
+    assert stale.count == 1
 
 
 def test_no_record_of_our_key_or_no_answer_costs_no_wait() -> None:
@@ -49,6 +57,6 @@ def test_no_record_of_our_key_or_no_answer_costs_no_wait() -> None:
 def test_a_node_told_to_leave_stops_checking() -> None:
     stop = threading.Event()
     stop.set()
-    records = SwarmRecords({ME: mine(100.0)}, {ME: mine(100.1)})
+    records = SwarmRecords({ME: mine()}, {ME: mine()})
     assert not live_twin(records, stop)  # type: ignore[arg-type]
     assert records.count == 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from hivemind.utils import get_dht_time
+
 from hetero_node.client.swarm.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
@@ -25,13 +27,17 @@ MAX_WAIT_S = 60.0
 
 def live_twin(runtime: PeerRuntime, stop: threading.Event) -> bool:
     """Whether another live process writes records under our peer id. Call it before this node's first record:
-    it waits `REWRITE_PERIODS` refresh periods when our peer id has a record, none when it has none (or the DHT
-    does not answer: hivemind's check stands then)."""
+    when our peer id has a record, it waits until `REWRITE_PERIODS` refresh periods after that record was written;
+    none when it has none (or the DHT does not answer: hivemind's check stands then)."""
     me = str(runtime.peer_id)
     first = (runtime.read_records() or {}).get(me)
     if first is None:
         return False
-    wait_s = min(MAX_WAIT_S, REWRITE_PERIODS * first.refresh_s)
+    # its writer rewrites it `refresh_s` after it wrote it: wait that long from then, not from now (a node killed
+    # and restarted at once, as in the kill soak, waits half a period less on average)
+    wait_s = min(MAX_WAIT_S, first.written_at + REWRITE_PERIODS * first.refresh_s - get_dht_time())
+    if wait_s <= 0:
+        return False  # its writer missed a rewrite already: it has stopped
     logger.info("a record of this node's key is in the swarm: checking for %.1f s that its node has stopped", wait_s)
     if stop.wait(wait_s):
         return False
