@@ -1,9 +1,11 @@
 """How much memory training a model (or one pipeline stage of it) needs: what the planner compares against a node.
 
 Per parameter, a replica keeps fp32 weights, gradients, AdamW's two moments, the SparseLoCo error-feedback
-buffer and the round's start copy: 6 × 4 = 24 bytes. Activations kept for backward are estimated per layer
-from the batch (attention via SDPA keeps no seq² matrix); the head adds logits and their gradient. A headroom
-factor covers the allocator, temporaries and the framework itself: an estimate, deliberately pessimistic.
+buffer, the round's start copy, and while a round is in flight the error-feedback buffer it replaced (the
+snapshot that undoes a failed round, `SparseLoCoMethod.encode`): 7 × 4 = 28 bytes. Activations kept for backward
+are estimated per layer from the batch (attention via SDPA keeps no seq² matrix); the head adds logits and their
+gradient. A headroom factor covers the allocator, temporaries and the framework itself: an estimate, deliberately
+pessimistic.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from hetero_node.models.config import ModelConfig
 from hetero_node.models.stages import stage_layer_ranges
 from hetero_node.models.transformer import Transformer
 
-TRAINING_BYTES_PER_PARAM = 24
+TRAINING_BYTES_PER_PARAM = 28
 ACTIVATION_FLOATS_PER_LAYER = 16
 """Saved activations per token per layer, in units of d_model floats (norms, q/k/v, attention out, MLP)."""
 HEADROOM = 1.25
