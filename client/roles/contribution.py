@@ -18,6 +18,7 @@ from hetero_node.client.roles.overlap import weights_at_deadline
 from hetero_node.client.roles.round_record import InFlight, Trained
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.swarm import view
+from hetero_node.client.swarm.record_reader import rewritten_lately
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.records import PeerRecord
 
@@ -105,7 +106,7 @@ class Contributing:
         def check(missing: frozenset[str]) -> bool:
             records, now = self.records(timeout=1.0), get_dht_time()
             return any(
-                r.round in (t - 1, t) and r.train_round >= t - 1 and now - r.written_at <= 1.5 * r.refresh_s
+                r.round in (t - 1, t) and r.train_round >= t - 1 and rewritten_lately(r, now)
                 for r in (records[pid] for pid in missing if pid in records)
             )
 

@@ -22,6 +22,15 @@ MAX_RECORD_LIFETIME_S = 600.0
 expiration its writer chose: records are refreshed every few seconds, and a far expiration kept a record stored
 once in everyone's view for good (the cap was once applied relative to each read)."""
 
+REWRITE_PERIODS = 1.5
+"""A live node rewrites its record every `refresh_s`; one not rewritten within this many periods of its `written_at`
+(one, and half of one for a store a loaded machine makes late) is a node that stopped, or is frozen."""
+
+
+def rewritten_lately(record: PeerRecord, now: float) -> bool:
+    """Whether the record's node rewrote it within `REWRITE_PERIODS` refresh periods of DHT time `now`."""
+    return now - record.written_at <= REWRITE_PERIODS * record.refresh_s
+
 
 def latest_valid_records(
     found: dict[Any, tuple[Any, float]], now: float, swarm_key: bytes | None = None, limit: int = MAX_RECORDS

@@ -14,13 +14,11 @@ import threading
 
 from hivemind.utils import get_dht_time
 
+from hetero_node.client.swarm.record_reader import REWRITE_PERIODS
 from hetero_node.client.swarm.runtime import PeerRuntime
 
 logger = logging.getLogger(__name__)
 
-REWRITE_PERIODS = 1.5
-"""How many of the found record's refresh periods to wait for its rewrite: one, and half of one for a store that a
-loaded machine makes late."""
 MAX_WAIT_S = 60.0
 """At most this long (a node refreshing its record less often than every 40 s may then go unnoticed)."""
 
