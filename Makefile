@@ -75,8 +75,9 @@ gpu-wheels: venv data
 # (tests/test_local_ranks.py), tokens/s and MFU per preset (compile on and off), and the demo swarm on
 # 178m with and without --overlap (agreement, contributions, utilisation; H = 30, the run's default); figures in
 # bench/results/gpu-check. About 9.5 min on an H200 (2026-11-27: device tests 54 s, 178m's tokens/s 54 s, the outer
-# work 10 s, each swarm mode about 4 min): at a 10-minute call limit, give each mode its own call with
-# GPU_CHECK_ARGS="--overlap-modes on" (or off). GPU_CHECK_ARGS="--presets 178m,1b" adds 1b's tokens/s.
+# work 10 s, the swarm with --overlap 4 min, the one without 3 min before the call's limit cut its figures): at a
+# 10-minute call limit, give each mode its own call with GPU_CHECK_ARGS="--overlap-modes on" (or off).
+# GPU_CHECK_ARGS="--presets 178m,1b" adds 1b's tokens/s.
 # Where hivemind is missing, installs .whl/ into /tmp/site first (no network); uses .cache/hetero-node if present.
 GPU_CHECK_ARGS ?=
 gpu-check:

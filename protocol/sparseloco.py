@@ -135,7 +135,7 @@ class ChunkPlan:
 @functools.lru_cache(maxsize=256)
 def _entry_origins_on(plan: ChunkPlan, device: torch.device) -> Tensor:
     """`plan.entry_origins` on `device`, uploaded once (a model has few distinct shapes)."""
-    return plan.entry_origins if device.type == "cpu" else plan.entry_origins.to(device)
+    return plan.entry_origins.to(device)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -291,7 +291,7 @@ def test_members_wait_for_a_late_base_members_seal_instead_of_voiding_a_round_it
                 syncs[i].drop(pending)
             return outcome
 
-        with ThreadPoolExecutor(3) as pool:  # base member 1 seals 2 s after the others gave up waiting for it
+        with ThreadPoolExecutor(3) as pool:  # base member 1 seals after the others' --matchmaking-s
             jobs = [pool.submit(member, i, 1, 4.0 * (i == 1), in_reach=True) for i in range(3)]
             outcomes = [job.result() for job in jobs]
         assert all(o.new_tensors is not None and not o.uncertified for o in outcomes), outcomes

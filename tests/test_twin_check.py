@@ -42,7 +42,7 @@ def test_a_record_of_our_key_left_as_it_was_is_a_stopped_node() -> None:
     first = mine()
     assert not live_twin(SwarmRecords({ME: first}, {ME: first}), threading.Event())  # type: ignore[arg-type]
     assert not live_twin(SwarmRecords({ME: first}, {}), threading.Event())  # type: ignore[arg-type]  # expired
-    stale = SwarmRecords({ME: mine(age_s=0.5)})  # a rewrite was due 0.2 s after it, 0.3 s ago: no wait, one read
+    stale = SwarmRecords({ME: mine(age_s=0.5)})  # its rewrite was due 0.3 s after it, 0.2 s ago: one read
     assert not live_twin(stale, threading.Event())  # type: ignore[arg-type]
     assert stale.count == 1
 

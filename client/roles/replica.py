@@ -261,10 +261,9 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
 
     def measure_overhead(self, t: int) -> None:
         """What round t − 1 cost outside training: from the end of its training to now, the start of round t's
-        planning (settling, exchange, outer step, catch-up), plus its own planning (a records read and an
-        announce: this round's comes after the measure) and what its training loop spent
-        not training (under --overlap the previous round settles between steps). Only between consecutive rounds
-        we trained."""
+        planning (settling, exchange, outer step, catch-up), plus its own planning (a records read and an announce:
+        this round's comes after the measure) and what its training loop spent not training (under --overlap the
+        previous round settles between steps). Only between consecutive rounds we trained."""
         if self.trained_until is not None and self.trained_until[0] == t - 1:
             _, ended, idle_s = self.trained_until
             self.clock.record_overhead(time.perf_counter() - ended + idle_s)

@@ -123,10 +123,10 @@ class RoundClock:
     def record_overhead(self, seconds: float) -> None:
         """Fold the time between the end of one round's training and the start of the next's into the estimate: a
         larger figure at once, a smaller one by the EMA. The target utilisation is a floor, and rounds sized by the
-        plain EMA of a growing overhead trained below it (CPU short-step demo under --overlap: 94.1% for 95%)."""
+        plain EMA of a growing overhead trained below it (CPU short-step demo under --overlap: 93.7% for 95%)."""
         if seconds > 0:
-            faded = (1 - STEP_EMA) * self.overhead_s + STEP_EMA * seconds
-            self.overhead_s = max(seconds, faded) if seconds > self.overhead_s else faded
+            fading = (1 - STEP_EMA) * self.overhead_s + STEP_EMA * seconds
+            self.overhead_s = seconds if seconds > self.overhead_s else fading
 
     def fastest_step_s(self, records: dict[str, PeerRecord]) -> float | None:
         """The fastest replica's time per batch, ours included (None while nobody measured one)."""
@@ -147,7 +147,7 @@ class RoundClock:
         measured one yet): pipeline stages fill a longer round with steps anyway, and their smaller overhead (one
         shard, no checkpoint) set rounds in which GPU full replicas trained 70% of the time. The upper median: with
         the lower one the replica of a pair with the larger overhead trained below its target in every round
-        (the earliest deadline wins; on the H200 92-93% against 95%). A full replica's own
+        (the earliest deadline wins). A full replica's own
         overhead is a floor: it is this round's cost as measured just now, while another's record may still show a
         round-old figure (under --overlap on a GPU, one replica planned a 9 s round from its peer's stale 1 s where
         both then measured 2 s). None while no step time is known, and for synchronous rounds: with
