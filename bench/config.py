@@ -252,11 +252,12 @@ class FuzzConfig:
 
 
 POISON_SCENARIOS = ("one-ahead", "far-ahead", "same-round", "claims-honest-fp", "nan-ahead", "nan-claims-honest-fp",
-                    "minority-ahead", "tie", "tie-liars-ahead")  # fmt: skip
+                    "minority-ahead", "tie", "tie-liars-ahead", "record-only-ahead")  # fmt: skip
 """Donors a joiner may load from, beside honest ones at round 5 (`bench/poison.py` has each one's parameters):
 one liar a round ahead, at round 10⁶, or at round 5 with other weights (each advertising its own weights'
 fingerprint); one at round 5 advertising the honest fingerprint while serving other or NaN weights; one serving NaN a
-round ahead; 2 liars sharing a fingerprint a round ahead of 3 honest; 2 liars against 2 honest at round 5 or 6."""
+round ahead; 2 liars sharing a fingerprint a round ahead of 3 honest; 2 liars against 2 honest at round 5 or 6; one
+liar a round ahead backed by 3 ids with a signed record and no running node."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ class Scenario:
     liar_weight: float = LIAR_WEIGHT
     claims_honest: bool = False
     """The liars' records advertise the honest fingerprints, whatever they serve."""
+    record_only: int = 0
+    """Ids that back the liars with signed records alone (same round and fingerprints) and no running node: each
+    cost one key. Counting records, 3 of them beside one liar out-voted 2 honest donors (the review's C2)."""
     expected: str = "honest"
     """What the loader's rules (upper-median round ceiling, strict-majority fingerprint, blob checks) lead to."""
 
@@ -76,6 +79,8 @@ SCENARIOS = {
     "tie": Scenario("2 liars at round 5 sharing one fingerprint, 2 honest", 2, 2, HONEST_ROUND, expected="none"),
     "tie-liars-ahead": Scenario("2 liars at round 6 sharing one fingerprint, 2 honest (no honest majority)",
                                 2, 2, HONEST_ROUND + 1, expected="liar"),
+    "record-only-ahead": Scenario("1 liar at round 6 backed by 3 record-only ids, 2 honest", 2, 1, HONEST_ROUND + 1,
+                                  record_only=3),
 }  # fmt: skip
 """By the names `--scenarios` takes (`POISON_SCENARIOS`)."""
 
@@ -95,16 +100,24 @@ def swarm(size: int) -> Iterator[list[PeerRuntime]]:
             runtime.shutdown()
 
 
-def serve(runtime: PeerRuntime, round_: int, weight: float, advertise: dict[str, str] | None = None) -> dict[str, str]:
+def serve(
+    runtime: PeerRuntime,
+    round_: int,
+    weight: float,
+    advertise: dict[str, str] | None = None,
+    refresh_s: float = 2.0,
+) -> dict[str, str]:
     """Publish a full replica's state of round `round_` (every weight = `weight`) and a record advertising its
-    fingerprints, or `advertise` instead (a liar's claim); returns the fingerprints of what it serves."""
+    fingerprints, or `advertise` instead (a liar's claim), live 3 × `refresh_s` after each refresh; returns the
+    fingerprints of what it serves."""
     tensors = {shard: [torch.full(shape, weight) for shape in shapes] for shard, shapes in SHAPES.items()}
     ShardStates(runtime, SHAPES, None, fetch_timeout_s=10).publish(round_, tensors, None)
     fps = {str(shard): state_fingerprint(ts, None) for shard, ts in tensors.items()}
     fields = record_fields(
-        str(runtime.peer_id), role=ROLE_FULL, round=round_, certified=round_, fingerprints=advertise or fps
-    )
-    runtime.announce(PeerRecord(**fields), refresh_s=2.0)
+        str(runtime.peer_id), role=ROLE_FULL, round=round_, certified=round_, fingerprints=advertise or fps,
+        addrs=runtime.advertised_addrs,
+    )  # fmt: skip
+    runtime.announce(PeerRecord(**fields), refresh_s=refresh_s)
     return fps
 
 
@@ -129,14 +142,22 @@ def classify(loaded: tuple[int, dict[int, dict[str, Any]], int] | None) -> str:
 def run_trial(scenario: Scenario, wait_s: float) -> dict[str, Any]:
     """One trial on fresh peers: the outcome, the round loaded, the load's seconds, whether a liar was asked, and
     how many donor records the joiner saw before loading."""
-    with swarm(1 + scenario.honest + scenario.liars) as (joiner, *donors):
+    with swarm(1 + scenario.honest + scenario.liars + scenario.record_only) as (joiner, *donors):
+        sybils = donors[len(donors) - scenario.record_only :]
+        donors = donors[: len(donors) - scenario.record_only]
         donors.sort(key=lambda runtime: str(runtime.peer_id))  # liars last: the loader asks higher ids first
         honest, liars = donors[: scenario.honest], donors[scenario.honest :]
         for runtime in honest:
             honest_fps = serve(runtime, HONEST_ROUND, HONEST_WEIGHT)  # the same state on every honest donor
         for runtime in liars:
             serve(runtime, scenario.liar_round, scenario.liar_weight, honest_fps if scenario.claims_honest else None)
-        seen = wait_for_records(joiner, len(donors))
+        for runtime in sybils:  # a record that outlives its node by minutes: the node was only there to sign it
+            serve(runtime, scenario.liar_round, scenario.liar_weight, refresh_s=120.0)
+        if sybils:  # stored where the others read it, then the node goes before the joiner ever dials it
+            wait_for_records(honest[0], len(donors) + len(sybils))
+            for runtime in sybils:
+                runtime.shutdown()
+        seen = wait_for_records(joiner, len(donors) + len(sybils))
         start = time.monotonic()
         states = ShardStates(joiner, SHAPES, None, fetch_timeout_s=10)
         loaded = states.load(lambda: joiner.read_records() or {}, 0, wait_s, threading.Event())

@@ -17,14 +17,18 @@ from hetero_node.protocol.errors import ConfigError
 @pytest.mark.timeout(300)
 def test_a_joiner_among_liars_loads_the_honest_state_or_waits(tmp_path: Path) -> None:
     """A liar claiming the honest fingerprint is asked first (highest peer id) and refused on its blob; a minority
-    ahead is never asked; a tie leaves the joiner waiting."""
-    cfg = PoisonConfig(trials=1, scenarios="claims-honest-fp,minority-ahead,tie", wait_s=3.0, out=tmp_path)
+    ahead is never asked, even when record-only ids make it a majority of records; a tie leaves the joiner
+    waiting."""
+    cfg = PoisonConfig(
+        trials=1, scenarios="claims-honest-fp,minority-ahead,tie,record-only-ahead", wait_s=3.0, out=tmp_path
+    )
     report = run_poison(cfg)
     trials = {name: s["trials"][0] for name, s in report["scenarios"].items()}
     assert {name: t["outcome"] for name, t in trials.items()} == {
-        "claims-honest-fp": "honest", "minority-ahead": "honest", "tie": "none",
+        "claims-honest-fp": "honest", "minority-ahead": "honest", "tie": "none", "record-only-ahead": "honest",
     }  # fmt: skip
     assert trials["claims-honest-fp"]["liar_asked"] and not trials["minority-ahead"]["liar_asked"]
+    assert trials["record-only-ahead"]["records_seen"] == 6 and not trials["record-only-ahead"]["liar_asked"]
     assert trials["claims-honest-fp"]["round"] == 5 and trials["tie"]["round"] is None
     assert json.loads((tmp_path / "report.json").read_text())["scenarios"].keys() == trials.keys()
     assert "| tie: " in (tmp_path / "report.md").read_text()

@@ -24,6 +24,7 @@ from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, CheckpointWrite
 from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
 from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.record_reader import MAX_RECORD_LIFETIME_S, latest_valid_records
+from hetero_node.client.swarm.work_ledger import WorkLedger
 from hetero_node.protocol.errors import CheckpointError, ConfigError, PeerAddressError
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
@@ -86,7 +87,11 @@ def test_a_record_counts_only_when_signed_by_the_key_of_the_peer_id_it_claims(tm
     id_b = PeerID.from_identity(paths[1].read_bytes()).to_base58()
     both = {sub_a: (fresh, now + 10), sub_b: (record_fields(id_b, written_at=now), now + 10)}
     assert set(latest_valid_records(both, now)) == {id_a, id_b}
-    assert set(latest_valid_records(both, now, limit=1)) == {min(id_a, id_b)}  # a flood is cut, the same for all
+    ledger = WorkLedger()
+    assert set(latest_valid_records({sub_a: both[sub_a]}, now - 5, ledger=ledger)) == {id_a}
+    assert set(latest_valid_records(both, now, limit=1, ledger=ledger)) == {id_a}  # over the cap: the incumbent
+    ledger.note_work([id_b], now)
+    assert set(latest_valid_records(both, now, limit=1, ledger=ledger)) == {id_b}  # ...unless the other worked
 
 
 def test_an_identity_file_that_is_not_a_libp2p_rsa_key_is_a_clear_error(tmp_path: Path) -> None:

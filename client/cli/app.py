@@ -168,6 +168,7 @@ def bootstrap(
     from hetero_node.client.monitor.snapshot import read_snapshot
     from hetero_node.client.swarm.record_reader import read_peer_records
     from hetero_node.client.swarm.runtime import p2pd_alive
+    from hetero_node.client.swarm.work_ledger import WorkLedger
 
     def readiness() -> tuple[bool, str]:
         if node.announced.is_set():
@@ -175,7 +176,7 @@ def bootstrap(
         return False, "bootstrap: the run announcement is not stored yet"
 
     health = Health(partial(p2pd_alive, node.dht), readiness)
-    records = partial(read_peer_records, node.dht, run.run_id, node.swarm_key, 5.0)
+    records = partial(read_peer_records, node.dht, run.run_id, node.swarm_key, 5.0, WorkLedger())
     read = partial(read_snapshot, records, run.run_id, run.to_dict())
     with open_dashboard(cfg.metrics_host, cfg.metrics_port, read, health) as web:
         console.print(f"dashboard: {web.url}  metrics: {web.url}metrics", markup=False, highlight=False)

@@ -126,7 +126,8 @@ class ShardStates:
         replica, or a stage peer of that stage: a full replica restarting where only virtual replicas hold the
         current round loads it from them) whose fingerprint for it is the one most of the shard's holders at that
         round advertise, and no round above what most donors hold (`view.swarm_round`) is followed: one peer
-        claiming a later round or other weights is not.
+        claiming a later round or other weights is not. "Most" counts voters (`PeerRuntime.voters`): peers seen
+        working, or answering, never records alone.
 
         `donor_records` lists who may serve (the caller's choice). A donor that fails for a shard and round is not
         asked again for it; None when no round could be loaded whole within wait_s.
@@ -136,10 +137,11 @@ class ShardStates:
         me = str(self.runtime.peer_id)
         while True:
             records = donor_records()
-            ceiling = view.swarm_round(records, me)
+            voters = self.runtime.voters(records)
+            ceiling = view.swarm_round(voters, me)
             rounds = sorted({r.round for pid, r in records.items() if pid != me and min_round <= r.round <= ceiling})
             for round_ in reversed(rounds):
-                loaded = self._load_round(records, round_, failed, me)
+                loaded = self._load_round(records, voters, round_, failed, me)
                 if loaded is not None:
                     return round_, *loaded
             if time.monotonic() >= deadline or stop.is_set():
@@ -147,12 +149,17 @@ class ShardStates:
             time.sleep(0.5)
 
     def _load_round(
-        self, records: dict[str, PeerRecord], round_: int, failed: set[tuple[str, int, int]], me: str
+        self,
+        records: dict[str, PeerRecord],
+        voters: dict[str, PeerRecord],
+        round_: int,
+        failed: set[tuple[str, int, int]],
+        me: str,
     ) -> tuple[dict[int, dict[str, Any]], int] | None:
         """Every held shard's state of `round_` from vouched holders (full replicas first: one donor for all; then
         by peer id, highest first), or None when a shard has none left that serves it. Nothing is downloaded for
         a round some shard has no candidate at (retried every half second, it would fetch the others again)."""
-        candidates = {shard: self._donors(records, round_, shard, failed, me) for shard in self.shapes}
+        candidates = {shard: self._donors(records, voters, round_, shard, failed, me) for shard in self.shapes}
         if not all(candidates.values()):
             return None
         states, size = {}, 0
@@ -171,12 +178,17 @@ class ShardStates:
 
     @staticmethod
     def _donors(
-        records: dict[str, PeerRecord], round_: int, shard: int, failed: set[tuple[str, int, int]], me: str
+        records: dict[str, PeerRecord],
+        voters: dict[str, PeerRecord],
+        round_: int,
+        shard: int,
+        failed: set[tuple[str, int, int]],
+        me: str,
     ) -> list[str]:
-        """The holders of `shard` at `round_` whose fingerprint for it most of its holders there advertise, best
-        first, leaving out those that failed it."""
+        """The holders of `shard` at `round_` whose fingerprint for it most of its holders there that count as
+        voters advertise, best first, leaving out those that failed it."""
         holders = view.shard_donors(records, shard)
-        vouched = view.vouched_fingerprint(holders, round_, str(shard), me)
+        vouched = view.vouched_fingerprint(view.shard_donors(voters, shard), round_, str(shard), me)
         ranked = sorted(
             (
                 (r.role == ROLE_FULL, pid)
@@ -192,6 +204,7 @@ class ShardStates:
         """`donor`'s state of `shard` at `round_`, checked against the fingerprint it advertises; None on any
         failure."""
         from hivemind.p2p import PeerID
+        from hivemind.utils import get_dht_time
 
         shapes = self.shapes[shard]
         limit = max_state_bytes([*shapes, *([self.fixed_shape] if self.fixed_shape else [])])
@@ -206,6 +219,7 @@ class ShardStates:
         except Exception as e:  # a bad donor is skipped, never trusted
             logger.warning("could not load shard %d's state from %s: %r", shard, donor, e)
             return None
+        self.runtime.work.note_work([donor], get_dht_time())  # it served the state the round's voters vouch for
         return state, len(data)
 
     def fetch_table(self, donor: str, record: PeerRecord, round_: int, kind: str = FIXED) -> Tensor | None:

@@ -205,9 +205,7 @@ class ShardSync:
         self.applied: Applied | None = None
         """The last round this member applied from its own set (where it `heals`): what `heal` starts from. Set to
         None whenever θ comes from elsewhere (a state load, a catch-up)."""
-        self.certificate: Certificate | None = None
-        """The last round of this shard we certified, or whose result we took from members that did (their
-        manifest states it): its authors are the next round's quorum base."""
+        self._certificate: Certificate | None = None
         self.resumed_at: int | None = None
         """The round our checkpoint resumed at: we may have sealed it before the restart, and a seal is a vote that
         never changes (a second one could count in two quorums), so that round keeps the seal the DHT holds."""
@@ -218,6 +216,21 @@ class ShardSync:
         be the deciders', so we state and seal but take each round's result from the members that decide it, until
         a record or manifest tells us the certificate (`adopt`). Deciding against another base could certify a
         second set."""
+
+    @property
+    def certificate(self) -> Certificate | None:
+        """The last round of this shard we certified, or whose result we took from members that did (their
+        manifest states it): its authors are the next round's quorum base."""
+        return self._certificate
+
+    @certificate.setter
+    def certificate(self, value: Certificate | None) -> None:
+        """Its authors did verifiable work: this node's votes count them from now on (`work_ledger.py`)."""
+        from hivemind.utils import get_dht_time
+
+        self._certificate = value
+        if value is not None:
+            self.runtime.work.note_work(value.members, get_dht_time())
 
     @property
     def me(self) -> str:

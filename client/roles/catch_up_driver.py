@@ -31,9 +31,10 @@ class CatchingUp:
         cut off from them), reach its round: from the rounds' messages while they are still served, else from a
         peer's state. Counted from our certified round: the rounds we voided since left θ where it was."""
         records = self.records()
+        voters = self.runtime.voters(records)
         ahead = max(  # a full replica where only virtual replicas went on (a VR-only swarm) follows them too
-            view.swarm_round(self.donors(records), self.me, certified=True),
-            view.swarm_round(self.holders(records), self.me, certified=True),
+            view.swarm_round(self.donors(voters), self.me, certified=True),
+            view.swarm_round(self.holders(voters), self.me, certified=True),
         )
         behind_from = self.certified
         while self.messages_cheaper(ahead - self.certified, records) and not self.stop.is_set():
@@ -115,13 +116,15 @@ class CatchingUp:
     def rebuild_round(self, round_: int, shards: list[int]) -> tuple[dict[int, CaughtUp], int] | None:
         """θ(t+1) of `shards` from round t's messages, served by peers that completed it; None if any failed."""
         records = self.records()
+        voters = self.runtime.voters(records)
         fps = self.fingerprints()
         rebuilt = {}
         for shard in shards:  # a round's messages are served by whoever held the shard: stage peers too
             holders = view.shard_donors(records, shard)
             order = [pid for pid, r in holders.items() if r.certified > round_ and pid != self.me]
             random.shuffle(order)  # never an order a peer can choose (ids can be ground low)
-            vouched = view.vouched_fingerprint(records, round_ + 1, str(shard), self.me)
+            order.sort(key=lambda pid: pid not in voters)  # voters first: a record alone is no donor to trust
+            vouched = view.vouched_fingerprint(voters, round_ + 1, str(shard), self.me)
             got = catch_up_shard(
                 self.syncs[shard],
                 round_,

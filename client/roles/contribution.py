@@ -84,14 +84,15 @@ class Contributing:
         return view.shard_members(records, shard, self.run_cfg.outer.stages)
 
     def vouched(self, t: int, shard: int) -> Callable[[], str | None]:
-        """The start fingerprint of `shard` at round t that a strict majority of the swarm's records (ours included)
-        hold, else that most of the records holding a certified θ(t) hold: what breaks a tie inside a group (a
-        member restarted or cut off that voided round t−1 while the others certified it starts t from θ(t−1))."""
+        """The start fingerprint of `shard` at round t that a strict majority of the swarm's voters (ours included:
+        `PeerRuntime.voters`) hold, else that most of those holding a certified θ(t) hold: what breaks a tie inside
+        a group (a member restarted or cut off that voided round t−1 while the others certified it starts t from
+        θ(t−1))."""
 
         def check() -> str | None:
-            records = self.records(timeout=1.0)
-            return view.vouched_fingerprint(records, t, str(shard), me="") or view.certified_fingerprint(
-                records, t, str(shard)
+            voters = self.runtime.voters(self.records(timeout=1.0))
+            return view.vouched_fingerprint(voters, t, str(shard), me="") or view.certified_fingerprint(
+                voters, t, str(shard)
             )
 
         return check
@@ -114,12 +115,14 @@ class Contributing:
 
     def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
         """Whether the shard's other members finished round t without us: more of them certified it than are
-        still in round t (one record claiming a later round is not enough; a round voided is not finished)."""
+        still in round t (one record claiming a later round is not enough; a round voided is not finished). Only
+        voters count: records with no node behind them cannot call a round off."""
 
         def check() -> bool:
             records = self.records(timeout=1.0)
+            voters = self.runtime.voters(records)
             members = [records[pid] for pid in view.shard_members(records, shard, self.run_cfg.outer.stages)]
-            others = [r for r in members if r.peer_id != self.me]
+            others = [r for r in members if r.peer_id != self.me and r.peer_id in voters]
             ahead = sum(r.certified > t for r in others)
             return ahead > 0 and ahead > sum(view.in_round(r, t) for r in others)
 

@@ -219,7 +219,7 @@ class StagePeer(Replica):
         told: tuple[int, ...] = ()
         while not self.stop.is_set() and self.membership.slot == (self.vr, self.index):
             records = self.records()
-            if view.swarm_round(self.donors(records), self.me, certified=True) > t:
+            if view.swarm_round(self.donors(self.runtime.voters(records)), self.me, certified=True) > t:
                 logger.warning("round %d: the swarm is in a later round; catching up", t)
                 return False
             holders = view.vr_stages(records, self.vr, self.run_cfg.outer.stages)
@@ -270,7 +270,8 @@ class StagePeer(Replica):
         while not self.stop.is_set() and time.monotonic() < deadline:
             records = self.records()
             mate = self.schedule.neighbours.get(0)
-            vouched = {kind: view.vouched_fingerprint(records, new_round, kind, self.me) for kind in (FIXED, EMBED)}
+            voters = self.runtime.voters(records)
+            vouched = {kind: view.vouched_fingerprint(voters, new_round, kind, self.me) for kind in (FIXED, EMBED)}
             if self.holds_tables(vouched):  # shard 0's round was void: T_fixed did not move
                 return True
             # our own stage 0 first, then anyone holding the table that most peers of its round hold
@@ -287,7 +288,7 @@ class StagePeer(Replica):
                     return True
                 if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
                     failed.add(pid)
-            if not donors and view.swarm_round(records, self.me) > new_round:
+            if not donors and view.swarm_round(voters, self.me) > new_round:
                 break  # catching up: peers serve only their newest table, and all have moved past this one
             time.sleep(0.3)
         logger.error("round %d: no peer served the fixed table of round %d; re-syncing", new_round - 1, new_round)

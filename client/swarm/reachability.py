@@ -158,23 +158,31 @@ class PeerDialer:
         """Whether `pid` is reached through a circuit relay (its record announces circuits only)."""
         return pid in self._circuits
 
-    async def dial(self, pid: str) -> None:
+    async def dial(self, pid: str, must_connect: bool = False) -> None:
         """Connect to `pid` at its record's addresses before opening a stream to it: a no-op while connected, a
         fresh circuit when its relay reset the last one. Raises what the daemon says when no address answers; a
-        peer whose record we have not read is left to the daemon's own routing."""
+        peer whose record we have not read is left to the daemon's own routing (`must_connect`: a ValueError)."""
         from hivemind.p2p import PeerID
 
         addrs = self._addrs.get(pid)
+        if not addrs and must_connect:
+            raise ValueError(f"peer {pid}'s record has no address to dial")
         if addrs:
             self._dialed[pid] = time.monotonic()
             await self.runtime.p2p._client.connect(PeerID.from_base58(pid), [_dialable(a) for a in addrs])
 
     async def _connect(self, pid: str) -> None:
+        """Dial `pid`; a connection made is also an answered liveness challenge (`PeerRuntime.challenge`)."""
+        from hivemind.utils import get_dht_time
+
         try:
-            await self.dial(pid)
+            await self.dial(pid, must_connect=True)
         except Exception as e:  # the relay has no reservation yet, or the peer left: try again at the next read
             logger.debug("connecting to peer %s failed: %r", pid, e)
-            self._dialed.pop(pid, None)
+            if self._addrs.get(pid):
+                self._dialed.pop(pid, None)
+            return
+        self.runtime.work.note_challenge(pid, True, get_dht_time())
 
 
 def _dialable(addr: str) -> Any:

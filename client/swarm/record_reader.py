@@ -7,6 +7,7 @@ import contextlib
 import logging
 from typing import Any
 
+from hetero_node.client.swarm.work_ledger import WorkLedger
 from hetero_node.protocol.identity import owner_peer_id
 from hetero_node.protocol.keys import peers_key
 from hetero_node.protocol.records import PeerRecord, parse_peer_record
@@ -33,12 +34,21 @@ def rewritten_lately(record: PeerRecord, now: float) -> bool:
 
 
 def latest_valid_records(
-    found: dict[Any, tuple[Any, float]], now: float, swarm_key: bytes | None = None, limit: int = MAX_RECORDS
+    found: dict[Any, tuple[Any, float]],
+    now: float,
+    swarm_key: bytes | None = None,
+    limit: int = MAX_RECORDS,
+    ledger: WorkLedger | None = None,
+    me: str = "",
 ) -> dict[str, tuple[PeerRecord, float]]:
     """(record, expiration) of the records that pass the schema and are signed by the key of the peer id they
     claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery. In a
-    private swarm, so is one without a valid member proof. At most `limit`, the lowest peer ids (every reader
-    keeps the same ones), so a flood of records costs the planner a bounded amount."""
+    private swarm, so is one without a valid member proof.
+
+    `ledger` is the reader's memory (`work_ledger.py`; a throwaway one without): it notes first sights, keeps at most
+    `limit` records (working peers, then incumbents: a flood costs the planner a bounded amount and cannot push
+    them out), and dates each other peer's slot claim no earlier than this reader first saw it."""
+    ledger = ledger if ledger is not None else WorkLedger()
     best: dict[str, tuple[PeerRecord, float]] = {}
     for subkey, (value, expiration) in found.items():
         record = parse_peer_record(value)
@@ -50,10 +60,19 @@ def latest_valid_records(
         if live_until <= now or record.written_at > now + MAX_RECORD_LIFETIME_S:  # stale, or dated far ahead
             continue
         best[record.peer_id] = (record, live_until)
+    ledger.note_records((record for record, _ in best.values()), now)
     if len(best) > limit:
-        logger.warning("%d peer records in the run; reading the first %d by peer id", len(best), limit)
-        best = {pid: best[pid] for pid in sorted(best)[:limit]}
-    return best
+        logger.warning("%d peer records in the run; keeping %d: peers seen working, then the earliest seen",
+                       len(best), limit)  # fmt: skip
+        best = {pid: best[pid] for pid in ledger.keep(best, limit, now)}
+    return {pid: (_dated(record, ledger, me), until) for pid, (record, until) in best.items()}
+
+
+def _dated(record: PeerRecord, ledger: WorkLedger, me: str) -> PeerRecord:
+    """`record` with its slot claim dated as this reader saw it (our own claim is ours to know)."""
+    if record.peer_id == me or (claimed_at := ledger.claimed_at(record)) == record.claimed_at:
+        return record
+    return record.copy(update={"claimed_at": claimed_at})
 
 
 def read_dictionary(
@@ -78,11 +97,13 @@ def read_peer_records(
     run_id: str,
     swarm_key: bytes | None,
     timeout: float,
+    ledger: WorkLedger,
+    me: str = "",
     lock: contextlib.AbstractContextManager = contextlib.nullcontext(),
 ) -> dict[str, tuple[PeerRecord, float]] | None:
-    """The run's valid peer records with their expiration times (None: the DHT did not answer); used by peers
-    and by the bootstrap's dashboard, which reads its own DHT."""
+    """The run's valid peer records with their expiration times (None: the DHT did not answer), as `me` with its
+    `ledger` sees them; used by peers and by the bootstrap's dashboard, which reads its own DHT."""
     from hivemind.utils import get_dht_time
 
     found = read_dictionary(dht, peers_key(run_id), timeout, lock)
-    return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key)
+    return None if found is None else latest_valid_records(found, get_dht_time(), swarm_key, ledger=ledger, me=me)

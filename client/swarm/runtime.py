@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from hetero_node.client.swarm.addresses import IDENTITY_TAKEN, identity_taken, join_failure, parse_peer_multiaddrs
 from hetero_node.client.swarm.reachability import PeerDialer, relay_addresses
 from hetero_node.client.swarm.record_reader import read_dictionary, read_peer_records
+from hetero_node.client.swarm.work_ledger import WorkLedger
 from hetero_node.protocol.errors import ConfigError, DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
@@ -67,6 +68,10 @@ STATE_REQUESTS_PER_MINUTE = 60
 stream a shard, so a looping peer must not turn us into its amplifier (security review H5). An honest stage asks for
 T_fixed once per round and for states once per shard when it (re)loads, with retries. A request resumed at an
 offset (through a relay) counts as the share of the blob it asks for."""
+CHALLENGE_S = 3.0
+"""How long a liveness challenge (a dial at the peer's recorded addresses) may take before the peer counts as silent."""
+MAX_CHALLENGES = 32
+"""Challenges in flight at once."""
 RECORDS_REREAD_S = 1.0
 """Least time between two reads of the records made on demand: for an unknown peer asking for a blob (private
 swarms) and for a failed fetch (the peer may have moved to new addresses)."""
@@ -192,6 +197,8 @@ class PeerRuntime:
         self._members: set[str] = set()
         """Peer ids whose records were in our last read: who may fetch blobs in a private swarm."""
         self._members_read = 0.0
+        self.work = WorkLedger()
+        """Whom this node has seen first, working or answering (`work_ledger.py`): what its votes count."""
         self.run_id: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hetero-node-p2p", daemon=True)
@@ -438,11 +445,49 @@ class PeerRuntime:
         """As `read_records`, with each record's DHT expiration time."""
         if not self.dht.is_alive():  # a signal to the whole process group took the DHT down: do not wait
             return None
-        timed = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self._dht_lock)
+        me = str(self.peer_id)
+        timed = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self.work, me, self._dht_lock)
         if timed is not None:
             self._members, self._members_read = set(timed), time.monotonic()
             self.dialer.note({pid: record for pid, (record, _) in timed.items()})
         return timed
+
+    def voters(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """The records whose peers count in a vote (`WorkLedger.voters`): those seen working, else those that
+        answer a liveness challenge now; a record no running node stands behind never counts."""
+        from hivemind.utils import get_dht_time
+
+        counted = self.work.voters(records, get_dht_time())
+        if counted is None:
+            self.challenge(list(records))
+            counted = self.work.voters(records, get_dht_time())
+        return counted or {}
+
+    def challenge(self, peers: list[str]) -> None:
+        """Dial each of `peers` not known alive or silent lately at its recorded addresses: libp2p's secure
+        channel authenticates the answer, so one that connects is a running node holding that peer id's key."""
+        from hivemind.utils import get_dht_time
+
+        me = str(self.peer_id)
+        asked = [p for p in self.work.to_challenge(peers, get_dht_time()) if p != me]
+        if not asked:
+            return
+        turns = asyncio.Semaphore(MAX_CHALLENGES)
+
+        async def ask(peer: str) -> None:
+            async with turns:
+                try:
+                    await asyncio.wait_for(self.dialer.dial(peer, must_connect=True), CHALLENGE_S)
+                    answered = True
+                except Exception:  # no address answered (a record with no node behind it), or a wrong key did
+                    answered = False
+            self.work.note_challenge(peer, answered, get_dht_time())
+
+        async def ask_all() -> None:
+            await asyncio.gather(*(ask(peer) for peer in asked))
+
+        self.run(ask_all())
+        logger.info("challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked)))
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""

@@ -1,0 +1,114 @@
+"""Whom this node has seen, and whom it has seen working: what its votes and its view count instead of records.
+
+A peer record costs one RSA key and no running node, so every rule that counted "a majority of records" fell to
+record-only Sybils (the security review's C2, C5, N1, N7). A reader therefore remembers, from its own observation:
+
+* **work**: the authors of a round it certified or took from the members that did (`Certificate.members`: their
+  messages were stated, sealed by a quorum and verified), and the donors whose state it loaded and checked;
+* **liveness**: peers that answered a challenge over an authenticated libp2p connection (`PeerRuntime.challenge`):
+  a running node behind the key, which a record alone is not;
+* **first sight**: when it first read each peer's record, and each slot claim: an incumbent is what this reader
+  saw first, never what a record says of itself (`claimed_at = 0` took any slot; the lowest peer ids, which can be
+  ground, took the whole view).
+
+Votes count working peers; a reader that knows none yet (a joiner, a fresh swarm's first round) counts those that
+answered a challenge. Over the record cap, working peers are kept first, then incumbents, then an order this
+reader's secret salt fixes and nobody else can aim at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+
+from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_STAGE
+
+FORGET_S = 600.0
+"""A peer (or slot claim) absent from the records this long is forgotten: back, it is a newcomer again."""
+WORK_MEMORY_S = 3600.0
+"""How long a peer seen working counts as working: longer than any run of void rounds a partition causes."""
+ALIVE_S = 120.0
+"""How long an answered challenge counts; a silent peer is not asked again for `SILENT_S`."""
+SILENT_S = 60.0
+
+
+class WorkLedger:
+    """This reader's memory of first sights, work and liveness (times are DHT seconds)."""
+
+    def __init__(self, salt: bytes | None = None) -> None:
+        self.salt = os.urandom(16) if salt is None else salt
+        self.seen: dict[str, list[float]] = {}
+        """peer id → [first read, last read] of its record."""
+        self.claims: dict[tuple[str, int, int], list[float]] = {}
+        """(peer id, vr, stage) → [first read, last read] of that slot claim."""
+        self.worked: dict[str, float] = {}
+        self.answered: dict[str, float] = {}
+        self.silent: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------ observations
+
+    def note_records(self, records: Iterable[PeerRecord], now: float) -> None:
+        """Records read at `now`: first sights of peers and slot claims; long-absent ones are forgotten."""
+        for record in records:
+            self.seen.setdefault(record.peer_id, [now, now])[1] = now
+            if record.role == ROLE_STAGE and record.vr >= 0:
+                self.claims.setdefault((record.peer_id, record.vr, record.stage), [now, now])[1] = now
+        for table in (self.seen, self.claims):
+            for key in [k for k, (_, last) in table.items() if now - last > FORGET_S]:
+                del table[key]
+
+    def note_work(self, peers: Iterable[str], now: float) -> None:
+        """`peers` did verifiable work: authors of a certified round, a donor whose state checked out."""
+        for peer in peers:
+            self.worked[peer] = now
+
+    def note_challenge(self, peer: str, answered: bool, now: float) -> None:
+        (self.answered if answered else self.silent)[peer] = now
+
+    # ------------------------------------------------------------------------------------------ judgements
+
+    def working(self, now: float) -> set[str]:
+        return {peer for peer, at in self.worked.items() if now - at <= WORK_MEMORY_S}
+
+    def alive(self, now: float) -> set[str]:
+        return {peer for peer, at in self.answered.items() if now - at <= ALIVE_S}
+
+    def to_challenge(self, peers: Iterable[str], now: float) -> list[str]:
+        """Of `peers`, those neither known alive nor silent lately, in this reader's own order."""
+        known = self.alive(now) | {peer for peer, at in self.silent.items() if now - at <= SILENT_S}
+        return sorted((p for p in peers if p not in known), key=self._rank)
+
+    def voters(self, records: Mapping[str, PeerRecord], now: float) -> dict[str, PeerRecord] | None:
+        """The records whose peers count in a vote (a majority of fingerprints, the swarm's round): the working
+        ones when any of them is in `records`, else those that answered a challenge; None when neither is known
+        (the caller challenges, then asks again)."""
+        for known in (self.working(now), self.alive(now)):
+            counted = {pid: r for pid, r in records.items() if pid in known}
+            if counted:
+                return counted
+        return None
+
+    def keep(self, peers: Iterable[str], limit: int, now: float) -> list[str]:
+        """At most `limit` of `peers`: working ones first, then those first seen earliest (incumbents), then in an
+        order this reader's salt fixes. Never by peer id: ids can be ground low by anyone."""
+        working = self.working(now)
+
+        def order(peer: str) -> tuple[bool, float, bytes]:
+            first = self.seen.get(peer, [now])[0]
+            return peer not in working, first, self._rank(peer)
+
+        return sorted(peers, key=order)[:limit]
+
+    def claimed_at(self, record: PeerRecord) -> float:
+        """When `record`'s slot claim counts as made: its own `claimed_at`, but no earlier than this reader first
+        read the claim, less the few refreshes a claim takes to reach every reader. A claim dated before its own
+        appearance (`claimed_at = 0`) cannot displace a holder this reader saw first."""
+        first = self.claims.get((record.peer_id, record.vr, record.stage))
+        if record.role != ROLE_STAGE or first is None:
+            return record.claimed_at
+        return max(record.claimed_at, first[0] - 3 * record.refresh_s)
+
+    def _rank(self, peer: str) -> bytes:
+        return hashlib.blake2b(peer.encode(), key=self.salt, digest_size=8).digest()

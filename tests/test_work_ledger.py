@@ -1,0 +1,74 @@
+"""A reader's memory of whom it saw first, working and answering (`client/swarm/work_ledger.py`): what the view's cap,
+the slot order and every vote count instead of records, which cost an attacker one key each."""
+
+from __future__ import annotations
+
+import base58
+from factories import peer_id, peer_record
+
+from hetero_node.client.swarm import view
+from hetero_node.client.swarm.work_ledger import FORGET_S, SILENT_S, WORK_MEMORY_S, WorkLedger
+from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
+
+NOW = 10_000.0
+
+
+def test_over_the_cap_working_peers_then_incumbents_stay_and_peer_id_order_buys_nothing() -> None:
+    """The review's eclipse: 4,097 ids ground below every honest one left 0 of 5 honest records in the view."""
+    ledger = WorkLedger()
+    honest = [peer_id(f"h{i}") for i in range(5)]
+    ledger.note_records([peer_record(f"h{i}") for i in range(5)], NOW - 100)
+    ledger.note_work(honest[:2], NOW - 50)
+    digits = base58.BITCOIN_ALPHABET.decode()
+    ground = [f"111{digits[i // 58 // 58]}{digits[i // 58 % 58]}{digits[i % 58]}".ljust(32, "1") for i in range(4097)]
+    assert len(set(ground)) == 4097 and max(ground) < min(honest)  # all below every honest id
+    ledger.note_records([peer_record("x", peer_id=pid) for pid in ground], NOW)
+    kept = ledger.keep([*ground, *honest], 4096, NOW)
+    assert set(honest) <= set(kept) and set(kept[:2]) == set(honest[:2])  # working first, then the incumbents
+
+
+def test_a_fresh_reader_keeps_an_order_nobody_can_aim_at() -> None:
+    """A joiner has seen everyone at once: its order is its own salt's, so ids ground low gain nothing, and two
+    readers cut a flood differently (an attacker cannot pick one set of ids every reader keeps)."""
+    peers = [peer_id(f"p{i}") for i in range(1000)]
+    a, b = WorkLedger(salt=b"a" * 16), WorkLedger(salt=b"b" * 16)
+    kept_a, kept_b = set(a.keep(peers, 100, NOW)), set(b.keep(peers, 100, NOW))
+    lowest = set(sorted(peers)[:100])
+    assert len(kept_a & lowest) < 50 and kept_a != kept_b
+    assert a.keep(peers, 100, NOW) == a.keep(list(reversed(peers)), 100, NOW)  # stable for one reader
+
+
+def test_a_slot_claim_counts_from_when_this_reader_first_saw_it() -> None:
+    """`claimed_at = 0` on a late record took the incumbent's slot in every reader's plan (review H2)."""
+    ledger = WorkLedger()
+    incumbent = peer_record("inc", role=ROLE_STAGE, vr=0, stage=1, claimed_at=NOW - 500, refresh_s=5.0)
+    ledger.note_records([incumbent], NOW - 490)
+    late = peer_record("late", role=ROLE_STAGE, vr=0, stage=1, claimed_at=0.0, refresh_s=5.0)
+    ledger.note_records([incumbent, late], NOW)
+    assert ledger.claimed_at(late) == NOW - 15 and ledger.claimed_at(incumbent) == NOW - 500
+    dated = {r.peer_id: r.copy(update={"claimed_at": ledger.claimed_at(r)}) for r in (incumbent, late)}
+    assert view.slot_holders(dated, 2)[(0, 1)] == incumbent.peer_id
+    raced = peer_record("race", role=ROLE_STAGE, vr=0, stage=0, claimed_at=NOW - 4, refresh_s=5.0)
+    ledger.note_records([raced], NOW)
+    assert ledger.claimed_at(raced) == NOW - 4  # an honest claim read within its refreshes keeps its own time
+    ledger.note_records([], NOW + FORGET_S + 1)
+    assert not ledger.claims and not ledger.seen  # long gone: a newcomer if it comes back
+
+
+def test_votes_count_working_peers_else_those_that_answered_else_nobody() -> None:
+    """5 honest peers at round 5 and 4 record-only ids with one serving liar at round 6: counting records, the
+    joiner followed the liar (review C2); counting voters, round 6 has one voice."""
+    honest = {peer_id(f"h{i}"): peer_record(f"h{i}", role=ROLE_FULL, round=5, certified=5) for i in range(5)}
+    sybils = {peer_id(f"s{i}"): peer_record(f"s{i}", role=ROLE_FULL, round=6, certified=6) for i in range(5)}
+    records = {**honest, **sybils}
+    assert view.swarm_round(records, me="") == 6
+    ledger = WorkLedger()
+    assert ledger.voters(records, NOW) is None  # nothing known: the caller challenges first
+    for pid in records:
+        ledger.note_challenge(pid, pid in honest or pid == peer_id("s0"), NOW)  # the liar runs a node
+    assert view.swarm_round(ledger.voters(records, NOW), me="") == 5
+    assert ledger.to_challenge(records, NOW + 1) == []  # answered and silent ones are not asked again at once
+    assert set(ledger.to_challenge(records, NOW + SILENT_S + 1)) == set(sybils) - {peer_id("s0")}
+    ledger.note_work(list(honest)[:3], NOW)
+    assert set(ledger.voters(records, NOW)) == set(list(honest)[:3])  # work outranks mere liveness
+    assert ledger.voters(records, NOW + WORK_MEMORY_S + 1) is None  # work and answers are remembered, not for ever
