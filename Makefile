@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-soak bench-nat bench-local-ranks sim clean
+.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-soak bench-nat bench-local-ranks sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -147,6 +147,10 @@ bench-fuzz-swarm: venv data
 # A joiner among lying donors (other rounds, weights, fingerprints; real peers in one process; about 14 min).
 bench-poison: venv
 	$(BIN)/hetero-node-lab poison --out bench/results/poison
+
+# Record-only identities (4,097 and 10^5, ids ground low) against an honest node's view and votes (one process, ~1 min).
+bench-sybil: venv
+	$(BIN)/hetero-node-lab sybil --out bench/results/sybil
 
 # One hour of a fault-free local swarm on 50 Mbit/s links (root; --link-mbit 0: loopback): RSS, fds, threads per
 # peer, and what is left after SIGTERM.

@@ -25,6 +25,7 @@ from hetero_node.bench.config import (
     SimConfig,
     SoakConfig,
     SwarmFuzzConfig,
+    SybilConfig,
 )
 from hetero_node.client.cli.entry import command_line, err_console, print_plain, run, run_with_progress
 from hetero_node.client.cli.options import expand_dataclass_options
@@ -131,6 +132,16 @@ def bench_poison(cfg: PoisonConfig) -> None:
     from hetero_node.bench.poison import render_markdown, run_poison
 
     run_with_progress(run_poison, render_markdown, cfg)
+
+
+@lab.command("sybil")
+@expand_dataclass_options
+def bench_sybil(cfg: SybilConfig) -> None:
+    """Flood the run's records with record-only identities (ids ground low, a round ahead, claiming a held slot) and
+    ask an honest node's view and votes, before and after counting work (report.json and report.md under --out)."""
+    from hetero_node.bench.sybil import render_markdown, run_sybil
+
+    run_with_progress(run_sybil, render_markdown, cfg)
 
 
 @lab.command("soak")

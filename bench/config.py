@@ -286,6 +286,28 @@ class PoisonConfig:
 
 
 @dataclass(frozen=True)
+class SybilConfig:
+    """How many record-only identities flood the run's records (`bench/sybil.py`); in one process, seconds."""
+
+    floods: str = field(
+        default="4097,100000", metadata={"help": "Comma-separated numbers of Sybil records, one flood each."}
+    )
+    out: Path = field(default=Path("bench/results/sybil"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        try:
+            sizes = self.flood_sizes
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            raise ConfigError(f"--floods {self.floods!r}: give positive whole numbers, e.g. 4097,100000")
+
+    @property
+    def flood_sizes(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.floods.split(",") if s.strip())
+
+
+@dataclass(frozen=True)
 class SwarmFuzzConfig:
     """How many malformed inputs a peer process sends a training swarm (streams, RPCs and DHT records)."""
 

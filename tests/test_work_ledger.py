@@ -7,7 +7,15 @@ import base58
 from factories import peer_id, peer_record
 
 from hetero_node.client.swarm import view
-from hetero_node.client.swarm.work_ledger import FORGET_S, SILENT_S, WORK_MEMORY_S, WorkLedger
+from hetero_node.client.swarm.work_ledger import (
+    ANSWERED,
+    ASKING,
+    FORGET_S,
+    SILENT,
+    SILENT_S,
+    WORK_MEMORY_S,
+    WorkLedger,
+)
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 
 NOW = 10_000.0
@@ -65,10 +73,26 @@ def test_votes_count_working_peers_else_those_that_answered_else_nobody() -> Non
     ledger = WorkLedger()
     assert ledger.voters(records, NOW) is None  # nothing known: the caller challenges first
     for pid in records:
-        ledger.note_challenge(pid, pid in honest or pid == peer_id("s0"), NOW)  # the liar runs a node
+        ledger.note_challenge(
+            pid, ANSWERED if pid in honest or pid == peer_id("s0") else SILENT, NOW
+        )  # the liar runs a node
     assert view.swarm_round(ledger.voters(records, NOW), me="") == 5
     assert ledger.to_challenge(records, NOW + 1) == []  # answered and silent ones are not asked again at once
     assert set(ledger.to_challenge(records, NOW + SILENT_S + 1)) == set(sybils) - {peer_id("s0")}
     ledger.note_work(list(honest)[:3], NOW)
     assert set(ledger.voters(records, NOW)) == set(list(honest)[:3])  # work outranks mere liveness
     assert ledger.voters(records, NOW + WORK_MEMORY_S + 1) is None  # work and answers are remembered, not for ever
+
+
+def test_a_round_waits_for_every_peer_but_those_that_did_not_answer_their_last_challenge() -> None:
+    """Thousands of full-replica records with no node behind them made a fresh swarm's first round wait for (and need
+    the seal of) every one of them; a peer being asked, or never asked, still counts."""
+    records = {peer_id(name): peer_record(name, role=ROLE_FULL) for name in ("a", "b", "c", "d")}
+    ledger = WorkLedger()
+    ledger.note_challenge(peer_id("b"), ASKING, NOW)
+    ledger.note_challenge(peer_id("c"), SILENT, NOW)
+    ledger.note_challenge(peer_id("d"), SILENT, NOW)
+    ledger.note_work([peer_id("d")], NOW)  # it certified rounds with us: a failed dial does not drop it
+    assert set(ledger.running(records, NOW)) == {peer_id("a"), peer_id("b"), peer_id("d")}
+    assert set(ledger.running(records, NOW + SILENT_S + 1)) == set(records)  # asked again, it may answer
+    assert ledger.to_challenge(records, NOW) == [peer_id("a")]

@@ -66,10 +66,11 @@ class Contributing:
             }
         else:
             scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
+            running = self.runtime.running(records)  # a record no node answers for is neither waited for nor live
             futures = {}
             for shard, pending in pendings.items():
-                coming = view.coming_members(records, t, shard, stages)
-                self.syncs[shard].begin(pending, coming, self.live_members(records, shard), scheduled)
+                coming = view.coming_members(running, t, shard, stages)
+                self.syncs[shard].begin(pending, coming, self.live_members(running, shard), scheduled)
             for shard, pending in pendings.items():
                 futures[shard] = self._executor.submit(
                     self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard),

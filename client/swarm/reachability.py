@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hetero_node.client.swarm.work_ledger import ANSWERED, SILENT
 from hetero_node.protocol.reachability import (
     ask_dial_back,
     circuit_multiaddr,
@@ -172,7 +173,8 @@ class PeerDialer:
             await self.runtime.p2p._client.connect(PeerID.from_base58(pid), [_dialable(a) for a in addrs])
 
     async def _connect(self, pid: str) -> None:
-        """Dial `pid`; a connection made is also an answered liveness challenge (`PeerRuntime.challenge`)."""
+        """Dial `pid`; a connection made is also an answered liveness challenge (`PeerRuntime.challenge`), a failed
+        one a silent challenge (a record with no node behind it is left out of rounds: `WorkLedger.running`)."""
         from hivemind.utils import get_dht_time
 
         try:
@@ -181,8 +183,9 @@ class PeerDialer:
             logger.debug("connecting to peer %s failed: %r", pid, e)
             if self._addrs.get(pid):
                 self._dialed.pop(pid, None)
+                self.runtime.work.note_challenge(pid, SILENT, get_dht_time())  # until a later dial answers
             return
-        self.runtime.work.note_challenge(pid, True, get_dht_time())
+        self.runtime.work.note_challenge(pid, ANSWERED, get_dht_time())
 
 
 def _dialable(addr: str) -> Any:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from hetero_node.client.swarm.addresses import IDENTITY_TAKEN, identity_taken, join_failure, parse_peer_multiaddrs
 from hetero_node.client.swarm.reachability import PeerDialer, relay_addresses
 from hetero_node.client.swarm.record_reader import read_dictionary, read_peer_records
-from hetero_node.client.swarm.work_ledger import WorkLedger
+from hetero_node.client.swarm.work_ledger import ANSWERED, ASKING, SILENT, WorkLedger
 from hetero_node.protocol.errors import ConfigError, DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
@@ -70,8 +70,8 @@ T_fixed once per round and for states once per shard when it (re)loads, with ret
 offset (through a relay) counts as the share of the blob it asks for."""
 CHALLENGE_S = 3.0
 """How long a liveness challenge (a dial at the peer's recorded addresses) may take before the peer counts as silent."""
-MAX_CHALLENGES = 32
-"""Challenges in flight at once."""
+MAX_CHALLENGES = 64
+"""Peers one call challenges at most (the others at the next call): a flood of records cannot make one wait long."""
 RECORDS_REREAD_S = 1.0
 """Least time between two reads of the records made on demand: for an unknown peer asking for a blob (private
 swarms) and for a failed fetch (the peer may have moved to new addresses)."""
@@ -454,40 +454,56 @@ class PeerRuntime:
 
     def voters(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
         """The records whose peers count in a vote (`WorkLedger.voters`): those seen working, else those that
-        answer a liveness challenge now; a record no running node stands behind never counts."""
+        answer a liveness challenge (asked now, up to `CHALLENGE_S`); a record no running node stands behind never
+        counts."""
         from hivemind.utils import get_dht_time
 
         counted = self.work.voters(records, get_dht_time())
         if counted is None:
-            self.challenge(list(records))
+            self.challenge(list(records), wait=True)
             counted = self.work.voters(records, get_dht_time())
         return counted or {}
 
-    def challenge(self, peers: list[str]) -> None:
-        """Dial each of `peers` not known alive or silent lately at its recorded addresses: libp2p's secure
-        channel authenticates the answer, so one that connects is a running node holding that peer id's key."""
+    def running(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """The records whose peers a round waits for and counts as live (`WorkLedger.running`): all but those that
+        did not answer their last challenge. Peers not known either way are challenged in the background, not
+        waited for."""
+        from hivemind.utils import get_dht_time
+
+        self.challenge(list(records), wait=False)
+        return self.work.running(records, get_dht_time())
+
+    def challenge(self, peers: list[str], wait: bool) -> None:
+        """Dial up to `MAX_CHALLENGES` of `peers` not known alive or asked lately, at their recorded addresses:
+        libp2p's secure channel authenticates the answer, so one that connects is a running node holding that peer
+        id's key. `wait`: until they answered or `CHALLENGE_S` passed."""
         from hivemind.utils import get_dht_time
 
         me = str(self.peer_id)
-        asked = [p for p in self.work.to_challenge(peers, get_dht_time()) if p != me]
+        asked = [p for p in self.work.to_challenge(peers, get_dht_time()) if p != me][:MAX_CHALLENGES]
         if not asked:
             return
-        turns = asyncio.Semaphore(MAX_CHALLENGES)
+        for peer in asked:  # not asked again while the answer is due
+            self.work.note_challenge(peer, ASKING, get_dht_time())
 
         async def ask(peer: str) -> None:
-            async with turns:
-                try:
-                    await asyncio.wait_for(self.dialer.dial(peer, must_connect=True), CHALLENGE_S)
-                    answered = True
-                except Exception:  # no address answered (a record with no node behind it), or a wrong key did
-                    answered = False
-            self.work.note_challenge(peer, answered, get_dht_time())
+            try:
+                await asyncio.wait_for(self.dialer.dial(peer, must_connect=True), CHALLENGE_S)
+            except Exception:  # no address answered (a record with no node behind it), or another key did
+                self.work.note_challenge(peer, SILENT, get_dht_time())
+            else:
+                self.work.note_challenge(peer, ANSWERED, get_dht_time())
 
         async def ask_all() -> None:
             await asyncio.gather(*(ask(peer) for peer in asked))
 
-        self.run(ask_all())
-        logger.info("challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked)))
+        future = asyncio.run_coroutine_threadsafe(ask_all(), self._loop)
+        if wait:
+            with contextlib.suppress(Exception):
+                future.result(CHALLENGE_S + 1.0)
+            logger.info(
+                "challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked))
+            )
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""

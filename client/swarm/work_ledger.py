@@ -30,8 +30,9 @@ FORGET_S = 600.0
 WORK_MEMORY_S = 3600.0
 """How long a peer seen working counts as working: longer than any run of void rounds a partition causes."""
 ALIVE_S = 120.0
-"""How long an answered challenge counts; a silent peer is not asked again for `SILENT_S`."""
+"""How long an answered challenge counts; a silent peer (or one being asked) is not asked again for `SILENT_S`."""
 SILENT_S = 60.0
+ASKING, ANSWERED, SILENT = "asking", "answered", "silent"
 
 
 class WorkLedger:
@@ -44,8 +45,8 @@ class WorkLedger:
         self.claims: dict[tuple[str, int, int], list[float]] = {}
         """(peer id, vr, stage) → [first read, last read] of that slot claim."""
         self.worked: dict[str, float] = {}
-        self.answered: dict[str, float] = {}
-        self.silent: dict[str, float] = {}
+        self.challenged: dict[str, tuple[float, str]] = {}
+        """peer id → (when, how) its last challenge went: ASKING, ANSWERED or SILENT."""
 
     # ------------------------------------------------------------------------------------------ observations
 
@@ -64,8 +65,9 @@ class WorkLedger:
         for peer in peers:
             self.worked[peer] = now
 
-    def note_challenge(self, peer: str, answered: bool, now: float) -> None:
-        (self.answered if answered else self.silent)[peer] = now
+    def note_challenge(self, peer: str, outcome: str, now: float) -> None:
+        """`outcome`: ASKING (a challenge went out), ANSWERED or SILENT."""
+        self.challenged[peer] = (now, outcome)
 
     # ------------------------------------------------------------------------------------------ judgements
 
@@ -73,12 +75,24 @@ class WorkLedger:
         return {peer for peer, at in self.worked.items() if now - at <= WORK_MEMORY_S}
 
     def alive(self, now: float) -> set[str]:
-        return {peer for peer, at in self.answered.items() if now - at <= ALIVE_S}
+        return self._challenged(ANSWERED, ALIVE_S, now)
+
+    def silent(self, now: float) -> set[str]:
+        return self._challenged(SILENT, SILENT_S, now)
 
     def to_challenge(self, peers: Iterable[str], now: float) -> list[str]:
-        """Of `peers`, those neither known alive nor silent lately, in this reader's own order."""
-        known = self.alive(now) | {peer for peer, at in self.silent.items() if now - at <= SILENT_S}
+        """Of `peers`, those neither known alive nor asked lately, in this reader's own order."""
+        known = self.alive(now) | self.silent(now) | self._challenged(ASKING, SILENT_S, now)
         return sorted((p for p in peers if p not in known), key=self._rank)
+
+    def running(self, records: Mapping[str, PeerRecord], now: float) -> dict[str, PeerRecord]:
+        """The records not known to have no node behind them: all but those whose peer did not answer its last
+        challenge (and was not seen working). An unknown peer gets the benefit of the doubt until asked."""
+        gone = self.silent(now) - self.working(now)
+        return {pid: r for pid, r in records.items() if pid not in gone}
+
+    def _challenged(self, outcome: str, within_s: float, now: float) -> set[str]:
+        return {peer for peer, (at, how) in self.challenged.items() if how == outcome and now - at <= within_s}
 
     def voters(self, records: Mapping[str, PeerRecord], now: float) -> dict[str, PeerRecord] | None:
         """The records whose peers count in a vote (a majority of fingerprints, the swarm's round): the working
