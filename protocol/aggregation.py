@@ -154,7 +154,7 @@ def aggregate(
     used, dropped = _checked(contributions, shapes, weights, names)
     if robust:
         return _robust(contributions, shapes, weights, used, dropped, torch.device(device))
-    relative = _capped_relative([weights[i] for i in used], MEAN_WEIGHT_CAP)
+    relative = capped_relative([weights[i] for i in used], MEAN_WEIGHT_CAP)
     clip_factors = _per_token_clip([contribution_norm(contributions[i]) for i in used], relative)
 
     sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32, device=device) for s in shapes]
@@ -174,7 +174,7 @@ def aggregate(
     return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)
 
 
-def _capped_relative(weights: list[float], cap: float) -> list[float]:
+def capped_relative(weights: Sequence[float], cap: float) -> list[float]:
     """Each weight at most `cap` × the lower median (a token count is a claim), then divided by the largest."""
     median = lower_median(weights) if weights else 1.0
     capped = [min(w, cap * median) for w in weights]
@@ -211,7 +211,7 @@ def _robust(
       not by its full value. Honest selections overlap only in part, so honest steps are smaller too: the price
       of the rule, measured by `hetero-node-lab byzantine`.
     """
-    relative = _capped_relative([weights[i] for i in used], ROBUST_WEIGHT_CAP)
+    relative = capped_relative([weights[i] for i in used], ROBUST_WEIGHT_CAP)
     total_weight = torch.tensor(math.fsum(relative) if relative else 1.0, dtype=torch.float32, device=device)
     clip_factors = [1.0] * len(used)
     tensors = []

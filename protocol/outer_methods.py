@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.protocol import dense_codec, sparse_codec
-from hetero_node.protocol.aggregation import aggregate
+from hetero_node.protocol.aggregation import MEAN_WEIGHT_CAP, aggregate, capped_relative, lower_median
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.outer_specs import DILOCO, SPARSELOCO, OuterSpec, outer_spec
 from hetero_node.protocol.run_config import RunConfig
@@ -237,16 +237,19 @@ class DiLoCoMethod(OuterMethod):
         return dense_codec.decode(payload, self.shapes, self.wire)
 
     def _combine_sorted(self, messages: Sequence[Any], weights: Sequence[float], names: Sequence[str]) -> Combined:
-        """Σ w_r·Δ_r / Σ w_r, summed in canonical order."""
+        """Σ w_r·f_r·Δ_r / Σ w_r, summed in canonical order, with each claimed weight capped at `MEAN_WEIGHT_CAP` ×
+        the lower median and each Δ_r's norm clipped to `DILOCO_NORM_CAP` × the lower-median norm (f_r ≤ 1): one
+        member claiming 2⁴⁰ tokens and sending a huge step took θ to 1.3·10³⁰ in a round (review M1)."""
         used = [i for i, w in enumerate(weights) if math.isfinite(w) and w > 0]
         dropped = [(i, f"weight {weights[i]!r} is not a positive number") for i in range(len(weights)) if i not in used]
         sums = [torch.zeros(s, device=self.device) for s in self.shapes]
         if not used:
             return Combined(sums, [], dropped)
-        heaviest = max(weights[i] for i in used)
-        total = math.fsum(weights[i] / heaviest for i in used)
-        for i in used:
-            scale = torch.tensor(weights[i] / heaviest / total, dtype=torch.float32, device=self.device)
+        relative = capped_relative([weights[i] for i in used], MEAN_WEIGHT_CAP)
+        factors = norm_clip([dense_norm(messages[i]) for i in used], DILOCO_NORM_CAP)
+        total = math.fsum(relative)
+        for i, w, factor in zip(used, relative, factors, strict=True):
+            scale = torch.tensor(w / total * factor, dtype=torch.float32, device=self.device)
             for acc, t in zip(sums, messages[i], strict=True):
                 acc.add_(t.to(self.device) * scale)
         return Combined(sums, used, dropped)
@@ -277,6 +280,26 @@ class DiLoCoMethod(OuterMethod):
 
     def private_tensors(self) -> list[Tensor]:
         return self.momentum
+
+
+DILOCO_NORM_CAP = 2.0
+"""A dense pseudo-gradient counts with at most this many times the lower-median member's norm: honest replicas'
+norms differ by less (their tokens are capped alike), a member sending a step scaled by 10⁶ is cut to twice a
+median one."""
+CLIP_GRID = 2.0**-20
+"""Clip factors below 1 are rounded down to this grid: norms are float64 sums whose last bits depend on the device
+and summation order, and every member must scale each message by the same float32."""
+
+
+def dense_norm(tensors: Sequence[Tensor]) -> float:
+    """The L2 norm of a dense message, summed in float64."""
+    return math.sqrt(math.fsum(float(t.double().square().sum()) for t in tensors))
+
+
+def norm_clip(norms: Sequence[float], cap: float) -> list[float]:
+    """f_r = min(1, cap · lower median / n_r), factors below 1 rounded down to `CLIP_GRID` (see there)."""
+    bound = cap * lower_median(norms)
+    return [1.0 if n <= bound else math.floor(bound / n / CLIP_GRID) * CLIP_GRID for n in norms]
 
 
 def _minus(start: Tensor, step: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -12,7 +13,14 @@ from factories import run_config
 
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import ConfigError, PayloadError
-from hetero_node.protocol.outer_methods import DiLoCoMethod, SparseLoCoMethod, outer_method
+from hetero_node.protocol.outer_methods import (
+    CLIP_GRID,
+    DiLoCoMethod,
+    SparseLoCoMethod,
+    dense_norm,
+    norm_clip,
+    outer_method,
+)
 from hetero_node.protocol.outer_specs import outer_names, outer_spec
 from hetero_node.protocol.quorum import Certificate
 from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, manifest_certificate, parse_manifest
@@ -78,6 +86,22 @@ def test_diloco_weights_its_mean_by_tokens_and_keeps_shared_momentum() -> None:
     assert fingerprint(late.shared_state()) == fingerprint(momentum)
     with pytest.raises(PayloadError):
         late.load_shared_state([torch.full(s, float("inf")) for s in SHAPES])
+
+
+def test_diloco_bounds_a_member_claiming_huge_weight_and_sending_a_huge_step() -> None:
+    """Review M1: 2 honest members + 1 claiming 2⁴⁰ tokens with its step flipped and scaled by 10⁶ took θ to
+    1.3·10³⁰. Its weight now counts as 4 lower-median members and its norm as 2 median norms."""
+    run = run_config(outer=OuterConfig(outer="diloco"))
+    member = DiLoCoMethod(SHAPES, run)
+    honest = [deltas(0), deltas(1)]
+    liar = [-1e6 * d for d in deltas(2)]
+    messages = [member.decode(DiLoCoMethod(SHAPES, run).encode(d).payload) for d in (*honest, liar)]
+    combined = member.combine(messages, [1000.0, 1000.0, 2.0**40], ["a", "b", "c"])
+    honest_norm = max(dense_norm(d) for d in honest)
+    assert dense_norm(combined.tensors) <= 2 * honest_norm  # (1 + 1 + 4·2) / 6 median norms at the very most
+    new = member.update(START, combined)
+    assert max(float((n - s).abs().max()) for n, s in zip(new, START, strict=True)) < 1.0
+    assert norm_clip([1.0, 1.0, 3.0], 2.0) == [1.0, 1.0, math.floor(2 / 3 / CLIP_GRID) * CLIP_GRID]
 
 
 META = {"round": 3, "start_fp": "ab" * 16, "size": 1200, "digest": "cd" * 16, "tokens": 4096, "proof": ""}
