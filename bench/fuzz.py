@@ -29,11 +29,16 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
-from hetero_node.bench.samples import record_fields
+from hetero_node.bench.samples import RECORD_EDGES, record_fields
+from hetero_node.client.swarm import view
+from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
+from hetero_node.client.swarm.cost_model import RunShape
+from hetero_node.client.swarm.membership import plan_from_records
+from hetero_node.client.swarm.work_ledger import WorkLedger
 from hetero_node.protocol import boundary_codec, dense_codec, sparse_codec
 from hetero_node.protocol.errors import ConfigError, PayloadError
 from hetero_node.protocol.proto_build import load_proto_module
-from hetero_node.protocol.records import parse_peer_record, parse_run_announcement
+from hetero_node.protocol.records import PeerRecord, parse_peer_record, parse_run_announcement
 from hetero_node.protocol.round_wire import GroupMeta, encode_manifest, parse_manifest
 from hetero_node.protocol.run_config import PROTOCOL_VERSION, OuterConfig, RunConfig, SparseLoCoConfig
 from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor
@@ -71,6 +76,8 @@ class EntryPoint:
     parse: Callable[[Any], Any]
     refusals: tuple[type[BaseException], ...]
     """Errors the caller catches as "refused"; a parse returning None is a refusal too."""
+    mutate: Callable[[Any, random.Random], Any] | None = None
+    """How a case is made from the sample (default: `mutate_bytes` or `mutate_structure`)."""
 
 
 def _sparse_payload() -> bytes:
@@ -88,11 +95,14 @@ def _activations() -> bytes:
     return boundary_codec.encode_activations(FMT, x, ids[:, :-1], ids[:, 1:], U, table)
 
 
+TINY_RUN = RunConfig(
+    preset="tiny", vocab_size=256, batch_size=8, seq_len=64, seed=0, data_shards=4, data_identity="d" * 64,
+    tokenizer_identity="t" * 64, outer=OuterConfig(stages=2),
+)  # fmt: skip
+
+
 def _run_config() -> dict[str, Any]:
-    return RunConfig(
-        preset="tiny", vocab_size=256, batch_size=8, seq_len=64, seed=0, data_shards=4, data_identity="d" * 64,
-        tokenizer_identity="t" * 64, outer=OuterConfig(),
-    ).to_dict()  # fmt: skip
+    return TINY_RUN.to_dict()
 
 
 def _announcement(raw: Any) -> Any:
@@ -112,6 +122,63 @@ def _stage_piece(data: bytes) -> Any:
     piece = wire.StagePiece()
     piece.ParseFromString(data)
     return piece
+
+
+def judge_records(records: dict[str, PeerRecord], shape: RunShape) -> Any:
+    """What every node computes from the records it read: the live planner's plan (with the cost model's judge),
+    every view function a round reads, and the reader's ledger (cap, votes, slot dating). Returns the plan."""
+    plan = plan_from_records(records, requirements(shape), MarginalGain(shape))
+    me, stages = next(iter(records)), shape.stages
+    ledger = WorkLedger(salt=b"fuzz")
+    ledger.note_records(records.values(), 1e9)
+    ledger.keep(records, max(1, len(records) - 1), 1e9)
+    ledger.voters(records, 1e9)
+    ledger.running(records, 1e9)
+    dated = {pid: r.copy(update={"claimed_at": ledger.claimed_at(r)}) for pid, r in records.items()}
+    for read in (records, dated):
+        view.slot_holders(read, stages)
+        view.virtual_replicas(read, stages, complete=False)
+        view.replica_count(read, stages)
+        for shard in range(stages):
+            view.shard_members(read, shard, stages)
+            view.coming_members(read, 1, shard, stages)
+            view.shard_donors(read, shard)
+            view.vouched_fingerprint(read, 1, str(shard), me)
+            view.certified_fingerprint(read, 1, str(shard))
+        view.swarm_round(read, me)
+        view.swarm_round(read, me, certified=True)
+    return plan
+
+
+SWARM_SHAPE = RunShape.from_run(TINY_RUN)
+
+
+def _swarm_records() -> dict[str, Any]:
+    """A swarm as the DHT holds it: 2 full replicas, both stages of a virtual replica, a joiner."""
+    kinds = [{"role": "full"}, {"role": "full"}, {"role": "stage", "vr": 0, "stage": 0, "claimed_at": 5.0},
+             {"role": "stage", "vr": 0, "stage": 1, "claimed_at": 6.0}, {}]  # fmt: skip
+    return {name: record_fields(f"{PEER[:-2]}{name}x", **kind) for name, kind in zip("abcde", kinds, strict=True)}
+
+
+def _plan_swarm(raw: Any) -> Any:
+    """The planner and views over the records that pass the schema (as a node reads them); refused (None) when
+    any record did not, once they have run on the rest."""
+    if not isinstance(raw, dict):
+        return None
+    parsed = [parse_peer_record(value) for value in raw.values()]
+    records = {r.peer_id: r for r in parsed if r is not None}
+    plan = judge_records(records, SWARM_SHAPE) if records else None
+    return None if None in parsed else plan
+
+
+def mutate_to_edges(swarm: dict[str, Any], rng: random.Random) -> Any:
+    """1-3 fields of one record set to values at the edges of the schema (`RECORD_EDGES`): valid, extreme; a
+    quarter of the cases also get one `mutate_structure` change (an invalid record the reader must drop)."""
+    swarm = copy.deepcopy(swarm)
+    record = swarm[rng.choice(list(swarm))]
+    for name in rng.sample(list(RECORD_EDGES), rng.randint(1, 3)):
+        record[name] = copy.deepcopy(rng.choice(RECORD_EDGES[name]))
+    return mutate_structure(swarm, rng) if rng.random() < 0.25 else swarm
 
 
 ENTRY_POINTS = [
@@ -137,6 +204,7 @@ ENTRY_POINTS = [
                         "proof": ""},
                lambda raw: GroupMeta.parse(raw, max_size=10**6), ()),
     EntryPoint("peer record (DHT)", lambda: record_fields(PEER), parse_peer_record, ()),
+    EntryPoint("valid extreme records (planner, view, ledger)", _swarm_records, _plan_swarm, (), mutate_to_edges),
     EntryPoint("run announcement (DHT)",
                lambda: {"peer_id": PEER, "run_id": "0123456789abcdef", "software_version": "0.1.0",
                         "protocol_version": PROTOCOL_VERSION, "data_source": "bundled", "config": _run_config(),
@@ -212,7 +280,12 @@ def fuzz(cases_per_entry: int, seed: int = 0) -> dict[str, EntryResult]:
         if entry.parse(sample) is None:
             raise AssertionError(f"{entry.name}: the valid sample is refused")
         for _ in range(cases_per_entry):
-            case = mutate_bytes(sample, rng, blobs) if isinstance(sample, bytes) else mutate_structure(sample, rng)
+            if entry.mutate is not None:
+                case = entry.mutate(sample, rng)
+            elif isinstance(sample, bytes):
+                case = mutate_bytes(sample, rng, blobs)
+            else:
+                case = mutate_structure(sample, rng)
             result.cases += 1
             try:
                 parsed = entry.parse(case)

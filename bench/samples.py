@@ -16,3 +16,28 @@ def record_fields(peer_id: str, /, **changes: Any) -> dict[str, Any]:
         "written_at": 0.0, "member_proof": "",
     }  # fmt: skip
     return {**record, **changes}
+
+
+RECORD_EDGES: dict[str, list[Any]] = {
+    "upload_mbps": [0.0, 1e-9, 1.0, 1e6],
+    "download_mbps": [0.0, 1e-9, 1e6],
+    "tokens_per_s": [0.0, 1e-6, 1e9],
+    "memory_gb": [0.0, 0.001, 1e5],
+    "role": ["joining", "full", "stage", "standby"],
+    "requested_role": ["auto", "full", "stage"],
+    "pinned_stage": [-1, 0, 1, 1023],
+    "stage": [-1, 0, 1, 1023],
+    "vr": [-1, 0, 1, 10**6],
+    "claimed_at": [0.0, 1.0, 1e11],
+    "round": [0, 1, 10**9],
+    "certified": [0, 10**9],
+    "train_round": [-1, 0, 10**9],
+    "deadline": [0.0, 1e11],
+    "step_s": [0.0, 1e-9, 1e5],
+    "overhead_s": [0.0, 1e5],
+    "devices": [1, 64],
+    "addrs": [[], ["/ip4/10.0.0.1/tcp/1/p2p/QmRelayNotInTheSwarmxxxxxxxxxxxxxxxxxxxxxxx/p2p-circuit"]],
+    "fingerprints": [{}, {"0": "ab" * 8, "1": "cd" * 8, "fixed": "ef" * 8}],
+}
+"""Values at the edges of what the record schema accepts (0 and 10⁶ Mbit/s, 10⁹ tokens/s, stage 1023, vr 10⁶,
+deadlines at 10¹¹, relays that are not there): schema-valid records no planner or view may crash on."""

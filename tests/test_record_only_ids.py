@@ -1,9 +1,9 @@
 """Record-only identities against a real swarm: full-replica records whose nodes are gone (each cost one key).
 
 A fresh swarm's first rounds need the seal of every member anyone names (`protocol/quorum.py`), and every member
-the records show coming is waited for: counted as records, three such ids kept two honest replicas from ever
-finishing a round. Counted as running nodes (`WorkLedger.running`: a failed dial is a silent challenge), they are
-left out, and the two train together."""
+the records show coming is waited for: counted as records, three such ids voided two honest replicas' first two
+rounds, and their claimed speed can send joiners to standby. Counted as running nodes (`WorkLedger.running`: a
+failed dial is a silent challenge), they are left out of rounds and plans, and the two train together."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class ManyKeySigner(RecordValidatorBase):
 
 @contextlib.contextmanager
 def record_only_ids(peers: str, run_id: str, count: int) -> Iterator[list[str]]:
-    """`count` full-replica records coming to round 0, re-stored every second by one node that is none of them,
-    each naming an address where nothing listens."""
+    """`count` full-replica records coming to round 0 and claiming 10⁹ tokens/s, re-stored every second by one node
+    that is none of them, each naming an address where nothing listens."""
     keys = [RSAPrivateKey() for _ in range(count)]
     subkeys = [RSASignatureValidator(key).local_public_key for key in keys]
     ids = [owner_peer_id(subkey) for subkey in subkeys]
@@ -83,7 +83,7 @@ def record_only_ids(peers: str, run_id: str, count: int) -> Iterator[list[str]]:
             now = get_dht_time()
             for pid, subkey in zip(ids, subkeys, strict=True):
                 record = record_fields(pid, role=ROLE_FULL, round=0, train_round=0, written_at=now, refresh_s=2.0,
-                                       addrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{pid}"])  # fmt: skip
+                                       tokens_per_s=1e9, addrs=[f"/ip4/127.0.0.1/tcp/1/p2p/{pid}"])  # fmt: skip
                 dht.store(peers_key(run_id), subkey=subkey, value=record, expiration_time=now + 6, return_future=True)
             stop.wait(1.0)
 
@@ -108,8 +108,8 @@ def test_two_replicas_train_together_beside_full_replica_records_no_node_stands_
                 assert wait_until_seen(reader, set(ids))
             finally:
                 reader.shutdown()
-            for i in range(2):
-                swarm.start(f"r{i}", join_args(peers, i, tmp_path, min_peers=2))
+            for i in range(2):  # the planner decides their roles
+                swarm.start(f"r{i}", join_args(peers, i, tmp_path, role="auto", min_peers=2))
             assert_all_exit_cleanly(swarm, ["r0", "r1"])
     replicas = [rounds_of(tmp_path, i) for i in range(2)]
     for t in range(3):

@@ -114,8 +114,10 @@ class Membership:
             self.runtime.announce(self.record, self.refresh_s)
 
     def _records(self) -> dict[str, PeerRecord]:
-        """Live records, ours as we last wrote it (the DHT may not show our newest write yet)."""
-        records = self.runtime.read_records() or {}
+        """Live records of peers not known to have no node behind them (`PeerRuntime.running`: one record-only
+        "full replica" claiming 10⁹ tokens/s sent honest joiners to standby), ours as we last wrote it (the DHT may
+        not show our newest write yet)."""
+        records = self.runtime.running(self.runtime.read_records() or {})
         records[self.me] = self.record
         return records
 
