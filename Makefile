@@ -136,7 +136,7 @@ bench-kills: venv data
 bench-byzantine: venv data
 	$(BIN)/hetero-node-lab byzantine --seeds 2 --out bench/results/byzantine
 
-# 10^5 structure-aware malformed inputs against every parser a peer's bytes reach (about 20 s).
+# 10^5 structure-aware malformed inputs against every parser a peer's bytes reach, and extreme valid swarms against the planner (about 30 s).
 bench-fuzz: venv
 	$(BIN)/hetero-node-lab fuzz --out bench/results/fuzz
 

@@ -241,7 +241,7 @@ class ByzantineConfig:
 
 @dataclass(frozen=True)
 class FuzzConfig:
-    """How many malformed inputs, from which seed; the default 10⁵ take about 20 s."""
+    """How many malformed inputs, from which seed; the default 10⁵ take about 30 s."""
 
     cases: int = field(default=100_000, metadata={"help": "Inputs in all, split evenly over the entry points."})
     seed: int = field(default=0, metadata={"help": "Seed of the mutations."})

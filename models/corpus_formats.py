@@ -35,6 +35,10 @@ PARQUET_BATCH_ROWS = 1024
 """Rows decoded at a time: small enough to bound memory, large enough to amortise pyarrow's per-batch cost."""
 _PARQUET_READ_BYTES = 1 << 20
 """Column chunks are read in pieces this size: a row group can be far larger than memory."""
+MAX_LINE_BYTES = 64 << 20
+"""The longest JSONL line (one document) read: a 199 KiB `.jsonl.gz` holding one huge line cost 405-605 MiB."""
+MAX_TEXT_CHARS = 1 << 30
+"""The longest `.txt`/`.md` document (held whole) read: a small compressed file must not expand without bound."""
 
 
 def corpus_suffix(path: Path) -> str | None:
@@ -83,11 +87,14 @@ def _read_text(path: Path, codec: str | None) -> str:
     """Decoded like `Path.read_text` (universal newlines), so plain files keep the token stream they always had."""
     try:
         with _open(path, codec) as f:
-            return io.TextIOWrapper(f, encoding="utf-8").read()
+            text = io.TextIOWrapper(f, encoding="utf-8").read(MAX_TEXT_CHARS + 1)
     except OSError as e:
         raise _read_error(path, e) from e
     except UnicodeDecodeError as e:
         raise DataError(f"data file {path} is not UTF-8 text (bad byte at offset {e.start})") from e
+    if len(text) > MAX_TEXT_CHARS:
+        raise DataError(f"data file {path} holds more than {MAX_TEXT_CHARS:,} characters: split it into files")
+    return text
 
 
 def _jsonl_text(path: Path, lineno: int, raw: bytes) -> str:
@@ -112,7 +119,9 @@ def _iter_jsonl(path: Path, codec: str | None) -> Iterator[Document]:
     lineno = 0
     with _open(path, codec) as f:
         try:
-            for lineno, raw in enumerate(f, start=1):
+            for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise DataError(f"{path}, line {lineno}: longer than {MAX_LINE_BYTES:,} bytes; split the document")
                 if raw.strip():
                     yield f"{path.name}:{lineno}", _jsonl_text(path, lineno, raw)
         except OSError as e:  # only reads raise it: the consumer's own errors never enter this generator

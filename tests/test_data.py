@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from hetero_node.models import corpus
+from hetero_node.models import corpus, corpus_formats
 from hetero_node.models.corpus import (
     BUNDLED_ARCHIVE_NAME,
     bundled_corpus_archive,
@@ -300,6 +300,20 @@ def test_jsonl_with_eos_tokenizer(tmp_path: Path) -> None:
 def test_malformed_jsonl_names_file_and_line(tmp_path: Path, bad_line: str, reason: str, suffix: str) -> None:
     path = write_file(tmp_path / f"docs{suffix}", f'{{"text": "fine"}}\n\n{bad_line}\n{{"text": "fine"}}\n'.encode())
     with pytest.raises(DataError, match=f"{path}, line 3: .*{reason}"):
+        build_token_store(path, ByteTokenizer(), tmp_path / "cache")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".txt.zst"])
+def test_a_small_file_expanding_to_a_huge_document_is_a_data_error(
+    tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's decompression bomb: one line of a 199 KiB .jsonl.gz cost 405-605 MiB; reading stops at the cap."""
+    monkeypatch.setattr(corpus_formats, "MAX_LINE_BYTES", 1 << 20)
+    monkeypatch.setattr(corpus_formats, "MAX_TEXT_CHARS", 1 << 20)
+    bomb = b'{"text": "' + b"a" * (8 << 20) + b'"}\n' if ".jsonl" in suffix else b"a" * (8 << 20)
+    path = write_file(tmp_path / f"bomb{suffix}", bomb)
+    assert path.stat().st_size < 64 << 10
+    with pytest.raises(DataError, match=r"line 1: longer than 1,048,576 bytes|more than 1,048,576 characters"):
         build_token_store(path, ByteTokenizer(), tmp_path / "cache")
 
 
