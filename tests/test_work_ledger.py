@@ -59,8 +59,12 @@ def test_a_slot_claim_counts_from_when_this_reader_first_saw_it() -> None:
     raced = peer_record("race", role=ROLE_STAGE, vr=0, stage=0, claimed_at=NOW - 4, refresh_s=5.0)
     ledger.note_records([raced], NOW)
     assert ledger.claimed_at(raced) == NOW - 4  # an honest claim read within its refreshes keeps its own time
+    ledger.note_challenge(late.peer_id, SILENT, NOW)
+    ledger.note_work([incumbent.peer_id], NOW)
     ledger.note_records([], NOW + FORGET_S + 1)
-    assert not ledger.claims and not ledger.seen  # long gone: a newcomer if it comes back
+    assert not ledger.claims and not ledger.seen and not ledger.challenged  # long gone: a newcomer if it comes back
+    ledger.note_records([], NOW + WORK_MEMORY_S + 1)
+    assert not ledger.worked
 
 
 def test_votes_count_working_peers_else_those_that_answered_else_nobody() -> None:

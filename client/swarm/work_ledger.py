@@ -51,7 +51,8 @@ class WorkLedger:
     # ------------------------------------------------------------------------------------------ observations
 
     def note_records(self, records: Iterable[PeerRecord], now: float) -> None:
-        """Records read at `now`: first sights of peers and slot claims; long-absent ones are forgotten."""
+        """Records read at `now`: first sights of peers and slot claims; long-absent ones, and judgements too old to
+        count, are forgotten."""
         for record in records:
             self.seen.setdefault(record.peer_id, [now, now])[1] = now
             if record.role == ROLE_STAGE and record.vr >= 0:
@@ -59,6 +60,10 @@ class WorkLedger:
         for table in (self.seen, self.claims):
             for key in [k for k, (_, last) in table.items() if now - last > FORGET_S]:
                 del table[key]
+        for peer in [p for p, (at, _) in self.challenged.items() if now - at > max(ALIVE_S, SILENT_S)]:
+            del self.challenged[peer]  # judgements this old count for nothing: a flood of ids cannot pile them up
+        for peer in [p for p, at in self.worked.items() if now - at > WORK_MEMORY_S]:
+            del self.worked[peer]
 
     def note_work(self, peers: Iterable[str], now: float) -> None:
         """`peers` did verifiable work: authors of a certified round, a donor whose state checked out."""
