@@ -8,7 +8,6 @@ in which a replica did not exit 0.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from rich.progress import Progress
 
 from hetero_node.bench.config import AgreementConfig
 from hetero_node.bench.kill_soak import disagreeing_rounds, rounds_of
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.client.cli.options import to_argv
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts
@@ -89,8 +89,7 @@ def run_agreement(cfg: AgreementConfig, progress: Progress | None = None) -> dic
         if progress is not None and task is not None:
             progress.advance(task)
     report = summarise(cfg, runs)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

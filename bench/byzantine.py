@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import math
 import statistics
@@ -30,6 +29,7 @@ import torch
 from rich.progress import Progress
 
 from hetero_node.bench.config import ByzantineConfig
+from hetero_node.bench.results import write_report
 from hetero_node.models.config import get_preset
 from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, val_batches
 from hetero_node.models.paths import default_cache_dir
@@ -231,9 +231,7 @@ def run_byzantine(cfg: ByzantineConfig, progress: Progress) -> dict[str, Any]:
                 cell.curves.append([start_loss, *curve])
                 logger.info("seed %d %s %d+%s: %s", seed, rule, n, attack, " ".join(f"{x:.3f}" for x in curve))
     report = {"config": {k: str(v) for k, v in asdict(cfg).items()}, "cells": [asdict(c) for c in cells.values()]}
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=1))
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

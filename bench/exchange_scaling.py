@@ -22,6 +22,7 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import ExchangeScalingConfig
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import to_argv
 from hetero_node.client.cli.plan import sizing_run
@@ -87,8 +88,7 @@ def run_exchange_scaling(cfg: ExchangeScalingConfig, progress: Progress | None =
         if progress is not None and task is not None:
             progress.advance(task)
     result = {"config": {k: str(v) for k, v in vars(cfg).items()}, "rows": rows}
-    (cfg.out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(result))
+    write_report(cfg.out, result, render_markdown(result))
     return result
 
 

@@ -15,7 +15,6 @@ tested against real peers in `tests/test_trust.py`; this bench covers what those
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import resource
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
+from hetero_node.bench.results import write_report
 from hetero_node.bench.samples import RECORD_EDGES, record_fields
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
@@ -320,7 +320,5 @@ def render_markdown(results: dict[str, EntryResult]) -> str:
 def run_fuzz(cases: int, seed: int, out: Path) -> dict[str, EntryResult]:
     """`cases` inputs in all, split evenly over the entry points; writes report.json and report.md under `out`."""
     results = fuzz(max(1, cases // len(ENTRY_POINTS)), seed)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({k: v.__dict__ for k, v in results.items()}, indent=1))
-    (out / "report.md").write_text(render_markdown(results))
+    write_report(out, {k: v.__dict__ for k, v in results.items()}, render_markdown(results))
     return results

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import threading
 import time
@@ -45,6 +44,7 @@ from hetero_node.bench.kill_soak import (
     sigterm_and_wait,
     wait_until,
 )
+from hetero_node.bench.results import write_report
 from hetero_node.bench.samples import record_fields
 from hetero_node.bench.soak import sample_group
 from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
@@ -354,9 +354,7 @@ def run_swarm_fuzz(cfg: SwarmFuzzConfig, progress: Progress | None = None) -> di
         "records_no_peer_wrote": strangers,
         "joiner_adopts_the_bootstraps_run": adopted is not None and adopted.run_id == announcement.run_id,
     }
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

@@ -17,7 +17,6 @@ command line. The report says, from the peers' own metrics:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from typing import Any
 from rich.progress import Progress
 
 from hetero_node.bench.config import KillSoakConfig
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.client.cli.options import to_argv
 from hetero_node.client.config import NodeConfig, OptimConfig, RunOptions, SyncTimeouts
@@ -139,8 +139,7 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
     time.sleep(2)
     leftovers = sum(1 for pgid in groups if _group_alive(pgid)) + len(p2pd_pids() - before_p2pd)
     report = analyse(cfg, names, workdir, events, exits, leftovers, time.monotonic() - started)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

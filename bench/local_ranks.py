@@ -8,7 +8,6 @@ On a CPU machine the ranks split its cores, so the ratio there measures the coll
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from rich.progress import Progress
 
 from hetero_node.bench.config import LocalRanksConfig
+from hetero_node.bench.results import write_report
 from hetero_node.client.local.collective import mean_gradients
 from hetero_node.client.local.devices import resolve_devices
 from hetero_node.client.local.group import LocalGroup
@@ -85,9 +85,7 @@ def run_local_ranks(cfg: LocalRanksConfig, progress: Progress | None = None) -> 
         "sync_s": sync_s,
         "max_weight_difference": drift,
     }
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

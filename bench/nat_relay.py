@@ -12,7 +12,6 @@ run shows.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from hetero_node.bench.config import NatBenchConfig
 from hetero_node.bench.kill_soak import peer_args, rounds_of, run_configs
 from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import nat_unavailable_reason
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.local_swarm import fresh_dir
 from hetero_node.client.cli.options import to_argv
 from hetero_node.protocol.errors import ConfigError, HeteroNodeError
@@ -86,8 +86,7 @@ def run_nat_bench(cfg: NatBenchConfig, progress: Progress | None = None) -> dict
         report["scenarios"][name] = summarise(run, cfg.rounds)
         if progress is not None and task is not None:
             progress.advance(task)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

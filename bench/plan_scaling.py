@@ -10,13 +10,13 @@ node too small to hold the model counted at its compute speed), over all nodes a
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from typing import Any
 
 from rich.progress import Progress
 
 from hetero_node.bench.config import PlanScalingConfig
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.plan import choice_summary, sizing_run
 from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.swarm.auto_plan import auto_plan
@@ -57,9 +57,7 @@ def run_plan_scaling(cfg: PlanScalingConfig, progress: Progress | None = None) -
             if progress is not None and task is not None:
                 progress.advance(task)
     report = {"config": {k: str(v) for k, v in vars(cfg).items()}, "rows": rows}
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     _plot(rows, cfg)
     return report
 

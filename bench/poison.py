@@ -18,7 +18,6 @@ guarantee ends: with no honest majority the loader has nothing to prefer the hon
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import statistics
 import threading
@@ -32,6 +31,7 @@ from rich.progress import Progress
 from torch import Tensor
 
 from hetero_node.bench.config import PoisonConfig
+from hetero_node.bench.results import write_report
 from hetero_node.bench.samples import record_fields
 from hetero_node.client.outer.shard_state import ShardStates, state_fingerprint
 from hetero_node.client.swarm.runtime import PeerRuntime
@@ -183,9 +183,7 @@ def run_poison(cfg: PoisonConfig, progress: Progress | None = None) -> dict[str,
         scenarios[name] = {**fields, "trials": trials}
     report = {"trials": cfg.trials, "wait_s": cfg.wait_s, "wall_s": round(time.monotonic() - started, 1),
               "scenarios": scenarios}  # fmt: skip
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

@@ -13,13 +13,13 @@ Definitions the table uses:
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hetero_node.bench import results
 from hetero_node.bench.model_check import check_run
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,6 @@ def targets(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_report(runs: list[dict[str, Any]], out: Path) -> Path:
     """Write report.json, report.md and the two plots under `out`; returns report.json's path."""
-    out.mkdir(parents=True, exist_ok=True)
     settings = runs[0]["config"] if runs else {}
     scenario = {
         "topology": runs[0]["topology"] if runs else None,
@@ -234,12 +233,10 @@ def write_report(runs: list[dict[str, Any]], out: Path) -> Path:
     checks = {run["method"]: check for run in runs if (check := check_run(run)) is not None}
     report = {"scenario": scenario, "methods": methods, "targets": targets(methods),
               "time_to_ddp_loss": time_to_ddp_loss(methods), "cost_model": checks}  # fmt: skip
-    path = out / "report.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    results.write_report(out, report, render_markdown(report))
     _plot(methods, out)
-    (out / "report.md").write_text(render_markdown(report))
-    logger.info("report written to %s", path)
-    return path
+    logger.info("report written to %s", out / "report.json")
+    return out / "report.json"
 
 
 def _plot(methods: dict[str, dict[str, Any]], out: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero_node.bench.config import RoundModesConfig
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.demo import DemoConfig
 from hetero_node.client.cli.options import to_argv
 
@@ -91,8 +92,7 @@ def run_round_modes(cfg: RoundModesConfig) -> dict[str, Any]:
                        (("loss_at_budget", at_budget), ("final_eval_loss", final), ("tokens", tokens),
                         ("wall_s", wall))}  # fmt: skip
     report = {"config": {k: str(v) for k, v in vars(cfg).items()}, "token_budget": budget, "modes": modes}
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 

@@ -5,13 +5,13 @@ Pure functions of `report.json`'s content, so the arithmetic is tested on synthe
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hetero_node.bench import results
 from hetero_node.bench.config import SIM_METHODS
 from hetero_node.bench.sim_traffic import messages_moved
 
@@ -207,9 +207,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(report: dict[str, Any], out: Path) -> dict[str, Any]:
     """report.json (as given), report.md and the plots under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(render_markdown(report))
+    results.write_report(out, report, render_markdown(report))
     write_plots(report, out)
     return report
 

@@ -15,7 +15,6 @@ its growth is what matters), open file descriptors, threads and processes from /
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -28,6 +27,7 @@ from hetero_node.bench.config import SoakConfig
 from hetero_node.bench.kill_soak import p2pd_pids, peer_args, rounds_of, run_args, sigterm_and_wait
 from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import netns_unavailable_reason
+from hetero_node.bench.results import write_report
 from hetero_node.client.cli.local_swarm import LocalSwarm, fresh_dir
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.socket_dir import PREFIX
@@ -97,8 +97,7 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> dict[str, Any
     left_files += sorted(str(p) for pgid in pgids.values() for p in tmp.glob(f"{PREFIX}{pgid}-*"))
     rounds = {name: len(rounds_of(workdir / f"{name}.jsonl")) for name in names}
     report = analyse(cfg, samples, exits, left_running, left_files, rounds)
-    (cfg.out / "report.json").write_text(json.dumps({**report, "samples": samples}, indent=1) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, {**report, "samples": samples}, render_markdown(report))
     return report
 
 

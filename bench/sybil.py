@@ -21,7 +21,6 @@ round 7 as the swarm's, vouch for the honest fingerprint, and are Sybils among a
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 import base58
 
 from hetero_node.bench.config import SybilConfig
+from hetero_node.bench.results import write_report
 from hetero_node.bench.samples import record_fields
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.record_reader import MAX_RECORDS
@@ -152,9 +152,7 @@ def run_sybil(cfg: SybilConfig, progress: Any = None) -> dict[str, Any]:
             progress.advance(task)
     report = {"honest": len(honest), "cap": MAX_RECORDS, "wall_s": round(time.monotonic() - started, 1),
               "floods": floods}  # fmt: skip
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (cfg.out / "report.md").write_text(render_markdown(report))
+    write_report(cfg.out, report, render_markdown(report))
     return report
 
 
