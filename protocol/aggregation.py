@@ -30,6 +30,7 @@ in contribution order.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from hetero_node.protocol.sparseloco import (
     SparseMessage,
     decode_table,
     dequantize,
+    shard_entries,
     validate_message,
 )
 
@@ -157,20 +159,21 @@ def aggregate(
     relative = capped_relative([weights[i] for i in used], MEAN_WEIGHT_CAP)
     clip_factors = _per_token_clip([contribution_norm(contributions[i]) for i in used], relative)
 
-    sums = [torch.zeros(math.prod(tuple(s)), dtype=torch.float32, device=device) for s in shapes]
-    totals = [torch.zeros_like(s) for s in sums]
+    key = tuple(tuple(int(d) for d in s) for s in shapes)
+    sums = torch.zeros(sum(math.prod(s) for s in key), dtype=torch.float32, device=device)
+    totals, touched = torch.zeros_like(sums), []
     for i, factor, w in zip(used, clip_factors, relative, strict=True):
         msg = contributions[i]
-        scale = torch.tensor(factor * w, dtype=torch.float32, device=device)
-        weight = torch.tensor(w, dtype=torch.float32, device=device)
-        for t, part in enumerate(msg.tensors):
-            positions = msg.plan(t).positions(part.indices, device)
-            sums[t].index_add_(0, positions, dequantize(part, device) * scale)
-            totals[t].index_add_(0, positions, weight.expand(positions.numel()))
-    tensors = [
-        torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s).view(tuple(shape))
-        for s, c, shape in zip(sums, totals, shapes, strict=True)
-    ]
+        positions, values = shard_entries(key, msg.chunk, msg.topk, sums.device).place(msg)
+        sums.index_add_(0, positions, values * torch.tensor(factor * w, dtype=torch.float32, device=device))
+        totals.index_add_(0, positions, torch.tensor(w, dtype=torch.float32, device=device).expand(positions.numel()))
+        touched.append(positions)
+    if touched:  # divide where something landed (a position twice in `touched` is written the same value twice)
+        where = torch.cat(touched)
+        s, c = sums[where], totals[where]
+        sums[where] = torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s)
+    offsets = itertools.accumulate((math.prod(s) for s in key), initial=0)
+    tensors = [sums[a : a + math.prod(s)].view(s) for a, s in zip(offsets, key, strict=False)]
     return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)
 
 

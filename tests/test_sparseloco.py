@@ -28,6 +28,7 @@ from hetero_node.protocol.sparseloco import (
     chunk_plan,
     decompress,
     dequantize,
+    shard_entries,
 )
 
 DEFAULT = SparseLoCoConfig()
@@ -276,6 +277,31 @@ def test_bad_indices_are_rejected(indices: Callable[[torch.Tensor], torch.Tensor
     bad = dataclasses.replace(msg, tensors=(part,))
     with pytest.raises(PayloadError, match=match):
         decode(encode(bad), [(130,)], SMALL)
+
+
+def test_an_unordered_pair_inside_a_matrix_block_is_rejected_and_a_step_down_between_blocks_is_not() -> None:
+    msg = _random_message([(16, 16)], SMALL, seed=5)  # four 8×8 blocks, 4 indices each
+    idx = msg.tensors[0].indices
+    swapped = idx.clone()
+    swapped[[1, 2]] = idx[[2, 1]]
+    bad = dataclasses.replace(msg, tensors=(dataclasses.replace(msg.tensors[0], indices=swapped),))
+    with pytest.raises(PayloadError, match="ascending"):
+        decode(encode(bad), [(16, 16)], SMALL)
+    crossing = idx.clone()  # each block's indices moved to the block's end: every boundary steps down
+    crossing[4:8] = torch.arange(60, 64, dtype=torch.int16)
+    crossing[0:4] = torch.arange(60, 64, dtype=torch.int16)
+    good = dataclasses.replace(msg, tensors=(dataclasses.replace(msg.tensors[0], indices=crossing),))
+    assert decode(encode(good), [(16, 16)], SMALL) == good
+
+
+def test_shard_entries_place_a_message_as_its_tensors_positions_and_values_laid_end_to_end() -> None:
+    shapes = [(100, 37), (5000,), (0,), (), (3, 4, 5), (130, 1)]
+    msg = _random_message(shapes, SMALL, seed=6)
+    positions, values = shard_entries(tuple(shapes), SMALL.chunk, SMALL.topk, torch.device("cpu")).place(msg)
+    offsets = [0, *torch.tensor([math.prod(s) for s in shapes]).cumsum(0).tolist()]
+    expected = [msg.plan(i).positions(part.indices) + offsets[i] for i, part in enumerate(msg.tensors)]
+    assert torch.equal(positions, torch.cat(expected))
+    assert torch.equal(values, torch.cat([dequantize(part) for part in msg.tensors]))
 
 
 def test_non_zero_padding_is_rejected() -> None:
