@@ -59,7 +59,7 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH
 
 @dataclass(frozen=True)
 class GpuCheckConfig:
-    """What to measure; the defaults are the check `make gpu-check` runs (about 9.5 min on an H200)."""
+    """What to measure; the defaults are the check `make gpu-check` runs (about 8.5 min on an H200)."""
 
     device: str = field(default="cuda", metadata={"help": "cuda, cuda:N, or cpu (a smoke test of the code paths)."})
     presets: str = field(
