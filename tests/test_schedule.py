@@ -81,6 +81,9 @@ def test_steps_fit_between_the_minimum_and_the_deadline() -> None:
     assert not capped.keep_training(3, 1000.0, 0.1)
     late = mine.plan(4, records, ME, now=1010.0)  # the minimum no longer fits before deadline + grace
     assert late.sit_out and late.grace_s == pytest.approx(max(2.0, 0.5 * late.length_s, 1.5))
+    # a round whose members wait 20 s for every statement (no certificate came before it): 2 steps still fit
+    assert not mine.plan(4, records, ME, now=1010.0, waited_s=20.0).sit_out
+    assert mine.plan(4, records, ME, now=1023.0, waited_s=20.0).sit_out  # 1023 + 2 > 1004.5 + 20
 
 
 def test_the_grace_covers_the_slowest_replica_coming_to_the_round() -> None:

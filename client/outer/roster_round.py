@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.runtime import PeerRuntime
@@ -197,13 +197,31 @@ def round_certificate(
     while the state they lead to is already served); None if none does (or two are stated alike). Only this round:
     an older round's certificate would be another base than the deciders' whenever this one's is merely late (the
     soak's fork of round 9); a void round stores none, and its base comes from the manifests instead."""
+    return round_certificates(runtime, run_id, [shard], round_, max_size, stop, wait_s)[shard]
+
+
+def round_certificates(
+    runtime: PeerRuntime,
+    run_id: str,
+    shards: Sequence[int],
+    round_: int,
+    max_size: int,
+    stop: threading.Event,
+    wait_s: float,
+) -> dict[int, Certificate | None]:
+    """`round_certificate` of several shards, read together within one `wait_s`: a void round stores none, and a node
+    holding every shard waited `wait_s` once per shard for it (6 s of a 2 s round for two shards, which made a
+    restarted replica sit the next round out)."""
     give_up = time.monotonic() + wait_s
-    roster = RosterRound(runtime, run_id, shard, round_, max_size, stop)
+    rosters = {shard: RosterRound(runtime, run_id, shard, round_, max_size, stop) for shard in shards}
+    found: dict[int, Certificate | None] = dict.fromkeys(shards)
     while not stop.is_set():
-        best = (roster.certificates() or Counter()).most_common(2)
-        if best:
-            return best[0][0] if len(best) == 1 or best[1][1] < best[0][1] else None
-        if time.monotonic() >= give_up:
-            return None
+        for shard, roster in list(rosters.items()):
+            best = (roster.certificates() or Counter()).most_common(2)
+            if best:
+                found[shard] = best[0][0] if len(best) == 1 or best[1][1] < best[0][1] else None
+                del rosters[shard]
+        if not rosters or time.monotonic() >= give_up:
+            break
         stop.wait(POLL_S)
-    return None
+    return found

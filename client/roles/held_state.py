@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.client.outer.catch_up import agreed_certificate
-from hetero_node.client.outer.roster_round import round_certificate
+from hetero_node.client.outer.roster_round import round_certificates
 from hetero_node.client.outer.shard_state import EMBED, FIXED, state_fingerprint
 from hetero_node.client.roles.checkpoint import CheckpointWriter, load_checkpoint
 from hetero_node.client.swarm import view
@@ -97,9 +97,11 @@ class HeldState:
         stored it in the DHT, else as round t's manifests state it (a void round's state the older one their servers
         hold); a shard whose certificate neither tells follows the deciders until a manifest does."""
         records = self.records()
+        size = max(sync.method.max_message_bytes for sync in self.syncs.values())
+        certificates = round_certificates(self.runtime, self.run_cfg.run_id, list(self.syncs), round_, size, self.stop,
+                                          CERTIFICATE_WAIT_S)  # fmt: skip
         for shard, sync in self.syncs.items():
-            stored = round_certificate(self.runtime, self.run_cfg.run_id, shard, round_,
-                                       sync.method.max_message_bytes, self.stop, CERTIFICATE_WAIT_S)  # fmt: skip
+            stored = certificates[shard]
             if stored is not None:
                 sync.adopt(stored)
                 continue

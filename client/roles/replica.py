@@ -329,7 +329,13 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         """Round t's deadline and step limits; announced so the round's other replicas can adopt it."""
         from hivemind.utils import get_dht_time
 
-        plan = self.clock.plan(t, self.records(), self.me, get_dht_time())
+        # a round no certificate came before is decided unanimously: its members wait up to --round-timeout-s for
+        # every live member's statement (`ShardSync.begin`), so one late by seconds still trains and states. Sitting
+        # it out instead voids it for them, and the two sides of a void leapfrog (the killed-replica test: a restart
+        # loaded a void round's state 6 s into a 2 s round, sat it out, and the survivor waited 20 s for it; then the
+        # other way round, every round to the end)
+        waited = self.timeouts.round_timeout_s if all(s.certificate is None for s in self.syncs.values()) else 0.0
+        plan = self.clock.plan(t, self.records(), self.me, get_dht_time(), waited)
         self.announce(
             train_round=t,
             deadline=plan.deadline or 0.0,

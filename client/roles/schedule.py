@@ -201,8 +201,12 @@ class RoundClock:
         slowest = max([r.step_s for r in records.values() if coming(r, round_)] + [self.step_s])
         return max(self.matchmaking_s, self.straggler_fraction * (length_s or 0.0), 1.5 * slowest * accumulation)
 
-    def plan(self, round_: int, records: dict[str, PeerRecord], me: str, now: float) -> RoundPlan:
-        """The plan for `round_` given the live records (ours included or not) at DHT time `now`."""
+    def plan(
+        self, round_: int, records: dict[str, PeerRecord], me: str, now: float, waited_s: float = 0.0
+    ) -> RoundPlan:
+        """The plan for `round_` given the live records (ours included or not) at DHT time `now`; `waited_s`: how
+        long past the deadline the round's members wait for our statement (we sit the round out only if even that
+        is too soon for its minimum steps)."""
         length = self.round_length(records)
         deadline = None
         if length is not None:
@@ -214,7 +218,7 @@ class RoundClock:
         grace = self.grace(records, round_, length, accumulation)
         min_steps, max_steps = self.outer.min_inner_steps, self.outer.max_inner_steps
         step_s = self.step_s * accumulation
-        sit_out = deadline is not None and step_s > 0 and now + min_steps * step_s > deadline + grace
+        sit_out = deadline is not None and step_s > 0 and now + min_steps * step_s > deadline + max(grace, waited_s)
         if deadline is not None:
             self._last = (round_, deadline)
         return RoundPlan(
