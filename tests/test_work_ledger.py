@@ -100,3 +100,15 @@ def test_a_round_waits_for_every_peer_but_those_that_did_not_answer_their_last_c
     assert set(ledger.running(records, NOW)) == {peer_id("a"), peer_id("b"), peer_id("d")}
     assert set(ledger.running(records, NOW + SILENT_S + 1)) == set(records)  # asked again, it may answer
     assert ledger.to_challenge(records, NOW) == [peer_id("a")]
+
+
+def test_a_vote_knows_which_answers_are_still_due() -> None:
+    """`PeerRuntime.voters` waits on these before it counts: a liar and one of two honest donors that answered first
+    were a vote the liar won (the upper median of two rounds is the larger)."""
+    ledger = WorkLedger()
+    for name, outcome in (("a", ASKING), ("b", ANSWERED), ("c", SILENT), ("d", ASKING)):
+        ledger.note_challenge(peer_id(name), outcome, NOW)
+    assert ledger.asking([peer_id(n) for n in "abc"], NOW) == {peer_id("a")}
+    ledger.note_challenge(peer_id("a"), ANSWERED, NOW + 1)
+    assert ledger.asking([peer_id(n) for n in "abcd"], NOW + 1) == {peer_id("d")}
+    assert not ledger.asking([peer_id("d")], NOW + SILENT_S + 1)  # an answer that never came is no longer due

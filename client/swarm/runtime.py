@@ -458,11 +458,12 @@ class PeerRuntime:
         counts."""
         from hivemind.utils import get_dht_time
 
-        counted = self.work.voters(records, get_dht_time())
-        if counted is None:
+        if not self.work.working(get_dht_time()) & records.keys():
+            # every peer not known either way is asked first: the few that answered before the others (a
+            # background dial) are no vote (the poison bench's joiner counted a liar and one of two honest donors,
+            # and the upper median of their rounds was the liar's, 1 run in 6 on a loaded machine)
             self.challenge(list(records), wait=True)
-            counted = self.work.voters(records, get_dht_time())
-        return counted or {}
+        return self.work.voters(records, get_dht_time()) or {}
 
     def running(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
         """The records whose peers a round waits for and counts as live (`WorkLedger.running`): all but those that
@@ -476,13 +477,11 @@ class PeerRuntime:
     def challenge(self, peers: list[str], wait: bool) -> None:
         """Dial up to `MAX_CHALLENGES` of `peers` not known alive or asked lately, at their recorded addresses:
         libp2p's secure channel authenticates the answer, so one that connects is a running node holding that peer
-        id's key. `wait`: until they answered or `CHALLENGE_S` passed."""
+        id's key. `wait`: until they answered or `CHALLENGE_S` passed, those an earlier challenge asked included."""
         from hivemind.utils import get_dht_time
 
         me = str(self.peer_id)
         asked = [p for p in self.work.to_challenge(peers, get_dht_time()) if p != me][:MAX_CHALLENGES]
-        if not asked:
-            return
         for peer in asked:  # not asked again while the answer is due
             self.work.note_challenge(peer, ASKING, get_dht_time())
 
@@ -497,13 +496,24 @@ class PeerRuntime:
         async def ask_all() -> None:
             await asyncio.gather(*(ask(peer) for peer in asked))
 
-        future = asyncio.run_coroutine_threadsafe(ask_all(), self._loop)
-        if wait:
-            with contextlib.suppress(Exception):
-                future.result(CHALLENGE_S + 1.0)
-            logger.info(
-                "challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked))
-            )
+        if asked:
+            future = asyncio.run_coroutine_threadsafe(ask_all(), self._loop)
+            if wait:
+                with contextlib.suppress(Exception):
+                    future.result(CHALLENGE_S + 1.0)
+                logger.info(
+                    "challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked))
+                )
+        self._await_answers(peers, wait)
+
+    def _await_answers(self, peers: list[str], wait: bool) -> None:
+        """With `wait`, also the answers of `peers` asked earlier by a challenge that did not wait (up to
+        `CHALLENGE_S`): a vote taken while they are due would count only the quicker ones."""
+        from hivemind.utils import get_dht_time
+
+        deadline = time.monotonic() + CHALLENGE_S
+        while wait and time.monotonic() < deadline and self.work.asking(peers, get_dht_time()):
+            time.sleep(0.05)
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:
         """A DHT dictionary as {subkey: (value, expiration)}; {} if absent, None if the DHT did not answer."""

@@ -90,6 +90,10 @@ class WorkLedger:
         known = self.alive(now) | self.silent(now) | self._challenged(ASKING, SILENT_S, now)
         return sorted((p for p in peers if p not in known), key=self._rank)
 
+    def asking(self, peers: Iterable[str], now: float) -> set[str]:
+        """Of `peers`, those asked lately whose answer has not come."""
+        return self._challenged(ASKING, SILENT_S, now) & set(peers)
+
     def running(self, records: Mapping[str, PeerRecord], now: float) -> dict[str, PeerRecord]:
         """The records not known to have no node behind them: all but those whose peer did not answer its last
         challenge (and was not seen working). An unknown peer gets the benefit of the doubt until asked."""
