@@ -74,9 +74,9 @@ gpu-wheels: venv data
 # checkpoint (tests/test_checkpoint_devices.py), a node's local ranks over NCCL where it has 2 GPUs
 # (tests/test_local_ranks.py), tokens/s and MFU per preset (compile on and off), and the demo swarm on
 # 178m with and without --overlap (agreement, contributions, utilisation; H = 30, the run's default); figures in
-# bench/results/gpu-check. About 8.5 min on an H200 (2026-11-27: device tests 56 s, 178m's tokens/s 54 s, the outer
-# work 20 s, the swarm without --overlap 3.7 min, with it 3 min): near the device tool's 10-minute call limit, so
-# give each mode its own call with GPU_CHECK_ARGS="--overlap-modes on" (or off).
+# bench/results/gpu-check. About 8.5 min on an H200 by its parts' times (2026-11-27: device tests 56 s, 178m's tokens/s
+# 54 s, the outer work 10 s, the swarm without --overlap 3.7 min, with it 3 min): near the device tool's 10-minute
+# call limit, so give each mode its own call with GPU_CHECK_ARGS="--overlap-modes on" (or off).
 # GPU_CHECK_ARGS="--presets 178m,1b" adds 1b's tokens/s.
 # Where hivemind is missing, installs .whl/ into /tmp/site first (no network); uses .cache/hetero-node if present.
 GPU_CHECK_ARGS ?=

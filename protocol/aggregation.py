@@ -30,7 +30,6 @@ in contribution order.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from hetero_node.protocol.sparseloco import (
     decode_table,
     dequantize,
     shard_entries,
+    shard_views,
     validate_message,
 )
 
@@ -172,9 +172,9 @@ def aggregate(
         where = torch.cat(touched)
         s, c = sums[where], totals[where]
         sums[where] = torch.where(c > 0, s / c.clamp(min=torch.finfo(torch.float32).tiny), s)
-    offsets = itertools.accumulate((math.prod(s) for s in key), initial=0)
-    tensors = [sums[a : a + math.prod(s)].view(s) for a, s in zip(offsets, key, strict=False)]
-    return AggregateResult(tensors=tensors, used=used, dropped=dropped, clip_factors=clip_factors, weights=relative)
+    return AggregateResult(
+        tensors=shard_views(sums, key), used=used, dropped=dropped, clip_factors=clip_factors, weights=relative
+    )
 
 
 def capped_relative(weights: Sequence[float], cap: float) -> list[float]:

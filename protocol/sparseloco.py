@@ -236,7 +236,6 @@ class ShardEntries:
     """int64: the row length of a matrix's entry (0 for a vector's)."""
     table_base: Tensor
     """int64: 4 × the index of the entry's tensor, where its decode table starts in the message's stacked tables."""
-    numels: tuple[int, ...]
 
     def place(self, msg: SparseMessage) -> tuple[Tensor, Tensor]:
         """Shard positions and fp32 values of every entry `msg` (validated for these shapes) transmits: the same
@@ -248,9 +247,12 @@ class ShardEntries:
         positions = self.origins + (idx // self.widths) * self.cols + idx % self.widths
         return positions, tables.index_select(0, self.table_base + codes)
 
-    def split(self, flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
-        """A shard-long flat tensor as one view per tensor."""
-        return [part.view(tuple(shape)) for part, shape in zip(flat.split(list(self.numels)), shapes, strict=True)]
+
+def shard_views(flat: Tensor, shapes: Sequence[Sequence[int]]) -> list[Tensor]:
+    """A shard-long flat tensor (its tensors flattened and laid end to end, as `ShardEntries` places them) as one
+    view per tensor."""
+    numels = [math.prod(shape) for shape in shapes]
+    return [part.view(tuple(shape)) for part, shape in zip(flat.split(numels), shapes, strict=True)]
 
 
 @functools.lru_cache(maxsize=16)
@@ -272,8 +274,7 @@ def shard_entries(shapes: tuple[tuple[int, ...], ...], chunk: int, topk: int, de
     def joined(parts: list[Tensor]) -> Tensor:
         return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
-    numels = tuple(math.prod(shape) for shape in shapes)
-    return ShardEntries(joined(origins), joined(widths), joined(cols), joined(table_base), numels)
+    return ShardEntries(joined(origins), joined(widths), joined(cols), joined(table_base))
 
 
 def validate_message(msg: SparseMessage, expected_shapes: Sequence[Sequence[int]]) -> None:
@@ -338,8 +339,8 @@ def _select(acc: Tensor, plan: ChunkPlan) -> tuple[Tensor, Tensor]:
         top = rows.abs().topk(group.k, dim=1, sorted=False).indices.sort(dim=1).values
         indices.append(top.reshape(-1))
         values.append(rows.gather(1, top).reshape(-1))
-    if not indices:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    if not indices:  # on acc's device: compress joins every tensor's picks
+        return torch.zeros(0, dtype=torch.int64, device=acc.device), acc.new_zeros(0)
     return torch.cat(indices), torch.cat(values)
 
 
@@ -395,9 +396,8 @@ class ErrorFeedbackCompressor:
             raise ValueError(f"expected tensors of shapes {self.shapes}, got {[tuple(d.shape) for d in deltas]}")
         cfg = self.config
         device = self._buffers[0].device if self._buffers else torch.device("cpu")
-        numels = [math.prod(shape) for shape in self.shapes]
-        acc = torch.empty(sum(numels), dtype=torch.float32, device=device)  # one buffer: one index_add_ below
-        accs = [part.view(shape) for part, shape in zip(acc.split(numels), self.shapes, strict=True)]
+        acc = torch.empty(sum(math.prod(s) for s in self.shapes), dtype=torch.float32, device=device)
+        accs = shard_views(acc, self.shapes)  # one buffer: one index_add_ below
         plans = [chunk_plan(shape, cfg.chunk, cfg.topk) for shape in self.shapes]
         picks = []
         for out, buf, delta, plan in zip(accs, self._buffers, deltas, plans, strict=True):

@@ -504,15 +504,16 @@ class PeerRuntime:
                 logger.info(
                     "challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked))
                 )
-        self._await_answers(peers, wait)
+        if wait:
+            self._await_answers(peers)
 
-    def _await_answers(self, peers: list[str], wait: bool) -> None:
-        """With `wait`, also the answers of `peers` asked earlier by a challenge that did not wait (up to
-        `CHALLENGE_S`): a vote taken while they are due would count only the quicker ones."""
+    def _await_answers(self, peers: list[str]) -> None:
+        """The answers of `peers` asked earlier by a challenge that did not wait (up to `CHALLENGE_S`): a vote taken
+        while they are due would count only the quicker ones."""
         from hivemind.utils import get_dht_time
 
         deadline = time.monotonic() + CHALLENGE_S
-        while wait and time.monotonic() < deadline and self.work.asking(peers, get_dht_time()):
+        while time.monotonic() < deadline and self.work.asking(peers, get_dht_time()):
             time.sleep(0.05)
 
     def _get(self, key: str, timeout: float) -> dict[Any, Any] | None:

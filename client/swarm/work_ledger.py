@@ -106,7 +106,7 @@ class WorkLedger:
     def voters(self, records: Mapping[str, PeerRecord], now: float) -> dict[str, PeerRecord] | None:
         """The records whose peers count in a vote (a majority of fingerprints, the swarm's round): the working
         ones when any of them is in `records`, else those that answered a challenge; None when neither is known
-        (the caller challenges, then asks again)."""
+        (`PeerRuntime.voters` challenges every peer not known either way first, when none is known working)."""
         for known in (self.working(now), self.alive(now)):
             counted = {pid: r for pid, r in records.items() if pid in known}
             if counted:
