@@ -70,10 +70,10 @@ RELAY_PATIENCE = 0.5
 """Share of the fetch deadline a member waits for its relay parent to hold a message before asking its author."""
 RELAY_POLL_S = 0.05
 """First pause between asking a relay parent that does not hold the message yet (doubling up to 1 s)."""
-
-
 MEMBER_FETCH_S = 5.0
 """One try at a lost message from another member of the round: it is small and that member already holds it."""
+VOTES_KEPT = 64
+"""Rounds our seals are remembered for: a member comes back at most a few rounds (a round certified late)."""
 
 
 class Unreachable(Exception):
@@ -207,10 +207,14 @@ class ShardSync:
         None whenever θ comes from elsewhere (a state load, a catch-up)."""
         self._certificate: Certificate | None = None
         self.resumed_at: int | None = None
-        """The round our checkpoint resumed at: we may have sealed it before the restart, and a seal is a vote that
-        never changes (a second one could count in two quorums), so that round keeps the seal the DHT holds."""
-        self.sealed: Seal | None = None
-        """The last seal we cast: a member that rejoins a round it sealed (it caught up within it) keeps that vote."""
+        """The round our checkpoint resumed at: we may have sealed it and later ones before the restart, and a seal is
+        a vote that never changes (a second one could count in two quorums), so from that round on, until one holds
+        no seal of ours, a round keeps the seal the DHT holds."""
+        self.votes: dict[int, Seal] = {}
+        """The seals we cast, by round (the last `VOTES_KEPT`): a member that comes back to a round it sealed keeps
+        that vote. It comes back after rebuilding a round others certified late: it had voided that round and sealed
+        the next ones from the voided θ; sealing them again let two members each certify rounds the other had
+        voided, and in CI the two chased each other to the end of the run."""
         self.follows = False
         """Our θ came from a state whose round's certificate neither the DHT nor a manifest told us: our base may not
         be the deciders', so we state and seal but take each round's result from the members that decide it, until
@@ -344,22 +348,20 @@ class ShardSync:
         entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
-        earlier: dict[str, Seal] | None = {}
-        if pending.round == self.resumed_at:  # we may have voted in this round before a restart: that vote stands
-            self.resumed_at, earlier = None, roster.seals()
-        elif self.sealed is not None and self.sealed.round == pending.round:  # so does one cast before we caught up
-            earlier = {self.me: self.sealed}
+        earlier = self._earlier_vote(pending.round, roster)
         if earlier is None:  # not knowing our vote, we cast none: the result comes from those that decide
             return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         if self.me in earlier:
             logger.info("shard %d round %d: keeping the seal we cast before (restarting or catching up)", self.shard,
                         pending.round)  # fmt: skip
-            ours = self.sealed = earlier[self.me]
+            ours = earlier[self.me]
             if ours.start_fp != majority:  # that vote was for another start: this one's set comes from others
                 return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         else:
             roster.seal(ours)
-        self.sealed = ours
+        self.votes[pending.round] = ours
+        for old in [r for r in self.votes if r <= pending.round - VOTES_KEPT]:
+            del self.votes[old]
         if self.follows:  # our seal counts for the deciders; the result comes from them (`obtain`)
             logger.info("shard %d round %d: sealed; taking the result from the members that decide it (our quorum "
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip
@@ -383,6 +385,18 @@ class ShardSync:
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
+
+    def _earlier_vote(self, round_: int, roster: RosterRound) -> dict[str, Seal] | None:
+        """Our earlier seal of `round_` by our name ({} if we cast none), which stands; None when we cannot know it
+        (we restarted and the DHT did not answer)."""
+        if round_ in self.votes:
+            return {self.me: self.votes[round_]}
+        if self.resumed_at is None or round_ < self.resumed_at:
+            return {}
+        earlier = roster.seals()
+        if earlier is not None and self.me not in earlier:  # the rounds we sealed before the restart end here
+            self.resumed_at = None
+        return earlier
 
     def adopt(self, certificate: Certificate | None, known: bool = True) -> None:
         """θ came from others: take the certificate its holders hold (`known`: the DHT or a manifest stated it), or,
