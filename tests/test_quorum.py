@@ -268,6 +268,28 @@ def test_a_member_restarted_or_rejoining_mid_round_keeps_the_seal_it_cast_before
         time.sleep(1.0)
         assert seal_of(member, 1) == sealed
 
+        # a member alone in its base decides a round alone (`solo`): that is its vote too, stored like a seal, and
+        # neither it coming back to the round nor its restart decides the round a second time
+        base_of_five = Certificate(4, frozenset({member.me}), fingerprint(theta))
+        member.adopt(base_of_five)
+
+        def alone(sync: ShardSync, seed: int) -> ShardOutcome:
+            delta = [1e-2 * torch.randn(s, generator=torch.Generator().manual_seed(seed)) for s in SHAPES]
+            return sync.solo(sync.contribution(5, theta, fingerprint(theta), delta, 64), live=[sync.me])
+
+        first = alone(member, seed=5)
+        assert first.new_tensors is not None and member.certificate is not None and member.certificate.round == 5
+        certified = member.certificate
+        again = alone(member, seed=6)
+        assert (again.new_tensors, again.uncertified, again.deferred) == (None, True, True)
+        assert member.certificate == certified
+        time.sleep(1.0)
+        solo_seal = seal_of(member, 5)
+        assert solo_seal is not None and solo_seal == member.votes[5]
+        restarted = ShardSync(runtimes[1], run_config(), 0, SHAPES, SyncTimeouts(), stop)
+        restarted.certificate, restarted.resumed_at = base_of_five, 5
+        assert alone(restarted, seed=7).new_tensors is None and restarted.certificate == base_of_five
+
 
 @pytest.mark.multipeer
 @pytest.mark.timeout(180)

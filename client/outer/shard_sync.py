@@ -359,9 +359,7 @@ class ShardSync:
                 return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
         else:
             roster.seal(ours)
-        self.votes[pending.round] = ours
-        for old in [r for r in self.votes if r <= pending.round - VOTES_KEPT]:
-            del self.votes[old]
+        self._remember(ours)
         if self.follows:  # our seal counts for the deciders; the result comes from them (`obtain`)
             logger.info("shard %d round %d: sealed; taking the result from the members that decide it (our quorum "
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip
@@ -385,6 +383,12 @@ class ShardSync:
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
+
+    def _remember(self, seal: Seal) -> None:
+        """A seal is a vote, cast once: a member that comes back to its round keeps it (`_earlier_vote`)."""
+        self.votes[seal.round] = seal
+        for old in [r for r in self.votes if r <= seal.round - VOTES_KEPT]:
+            del self.votes[old]
 
     def _earlier_vote(self, round_: int, roster: RosterRound) -> dict[str, Seal] | None:
         """Our earlier seal of `round_` by our name ({} if we cast none), which stands; None when we cannot know it
@@ -604,12 +608,24 @@ class ShardSync:
         the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
         joiner) can follow. Only if we alone are a quorum: a peer cut off from the others is not alone."""
         pending.base = self.quorum(pending.round, [], live)
+        roster = RosterRound(
+            self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
+        )
+        earlier = self._earlier_vote(pending.round, roster)
+        if earlier is None or self.me in earlier:  # we voted in this round before (or cannot know): that vote stands
+            logger.info("shard %d round %d: we sealed it before; not deciding it alone again", self.shard,
+                        pending.round)  # fmt: skip
+            return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
         if self.follows or not certifies({self.me}, pending.base):  # cut off (or our base unknown): Δ stays owed
             self._not_certified(pending, frozenset({self.me}))
             return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
-        self.certificate = Certificate(pending.round, frozenset({self.me}), pending.meta.start_fp)
-        RosterRound(self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes,
-                    self.stop).certify(self.certificate)  # fmt: skip
+        meta = pending.meta
+        ours = () if pending.payload is None else (Entry(self.me, meta.size, meta.digest, meta.tokens),)
+        seal = Seal(self.me, pending.round, meta.start_fp, ours, self.proof)
+        roster.seal(seal)
+        self._remember(seal)
+        self.certificate = Certificate(pending.round, frozenset({self.me}), meta.start_fp)
+        roster.certify(self.certificate)
         if pending.payload is None:
             return ShardOutcome([s.clone() for s in pending.start], 1, 0)
         mine = Received(self.me, self.method.decode(pending.payload), pending.meta.tokens, pending.meta.digest)
