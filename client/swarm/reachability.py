@@ -37,6 +37,10 @@ REDIAL_S = 2.0
 dials it again (a no-op while connected): relays reset circuits after 128 KiB (`protocol.reachability.lend_relay`),
 and the peerstore then keeps only the peer's private addresses, which nobody can dial."""
 MAX_ASKED = 3
+DIAL_TIMEOUT_S = 15.0
+"""Longest a background dial may take. The daemon's reply to a dial of a dead peer could be lost, and a dial left
+waiting on it was garbage-collected mid-wait ("Task was destroyed but it is pending!", logged as an error by
+restarted nodes of the kill soak): the peer was then never noted as answered or silent, nor dialed again."""
 
 
 @dataclass
@@ -178,7 +182,7 @@ class PeerDialer:
         from hivemind.utils import get_dht_time
 
         try:
-            await self.dial(pid, must_connect=True)
+            await asyncio.wait_for(self.dial(pid, must_connect=True), DIAL_TIMEOUT_S)
         except Exception as e:  # the relay has no reservation yet, or the peer left: try again at the next read
             logger.debug("connecting to peer %s failed: %r", pid, e)
             if self._addrs.get(pid):
