@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from hetero_node.client.outer.catch_up import catch_up_shard, fetch_manifest
-from hetero_node.client.outer.roster_round import RosterRound
 from hetero_node.protocol.roster import widest
 from hetero_node.protocol.round_wire import GroupMeta
 from hetero_node.protocol.round_wire import digest as digest_of
@@ -108,9 +107,7 @@ def _rebuild(
 ) -> bool:
     """Rebuild our θ(t+1) from the wider set, if every message in it was stated in round t's roster (a member
     cannot widen a round with a message nobody stated); on success `pending` starts from it."""
-    roster = RosterRound(sync.runtime, sync.run.run_id, sync.shard, applied.round, sync.method.max_message_bytes,
-                         sync.stop)  # fmt: skip
-    stated = roster.statements() or {}
+    stated = sync.roster(applied.round).statements() or {}
     unstated = [name for name, digest, tokens in wider
                 if name not in stated or (stated[name].digest, stated[name].tokens) != (digest, tokens)]  # fmt: skip
     if unstated:

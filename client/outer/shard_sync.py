@@ -258,6 +258,10 @@ class ShardSync:
         self.runtime.publish(PAYLOAD, self.shard, round_, encoded.payload)
         return PendingRound(round_, start, meta, encoded.payload, encoded.snapshot)
 
+    def roster(self, round_: int) -> RosterRound:
+        """Round `round_` of this shard in the DHT: its statements, seals and certificates."""
+        return RosterRound(self.runtime, self.run.run_id, self.shard, round_, self.method.max_message_bytes, self.stop)
+
     def quorum(self, round_: int, coming: list[str], live: list[str]) -> frozenset[str]:
         """The quorum base of round `round_` (`protocol/quorum.py`), from our last certificate, or without one from
         the members the records show `coming`; `live`: the shard's members that have a record."""
@@ -268,9 +272,7 @@ class ShardSync:
         """Store our statement for the round: its set is sealed once every member `coming` has one (at least two),
         or at `scheduled_time` (DHT time) with whoever has; in the swarm's first round at least --round-timeout-s
         from now."""
-        pending.roster = RosterRound(
-            self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
-        )
+        pending.roster = self.roster(pending.round)
         # without a certificate the round needs every member's seal on one set (`unanimous`): wait for the statements
         # of every member with a record, not only those the records show coming (one still starting up is not yet)
         waited = coming if self.certificate is not None else {*coming, *live}
@@ -608,9 +610,7 @@ class ShardSync:
         the round like a group does, so a peer that only receives (a stage of an incomplete virtual replica, a
         joiner) can follow. Only if we alone are a quorum: a peer cut off from the others is not alone."""
         pending.base = self.quorum(pending.round, [], live)
-        roster = RosterRound(
-            self.runtime, self.run.run_id, self.shard, pending.round, self.method.max_message_bytes, self.stop
-        )
+        roster = self.roster(pending.round)
         earlier = self._earlier_vote(pending.round, roster)
         if earlier is None or self.me in earlier:  # we voted in this round before (or cannot know): that vote stands
             logger.info("shard %d round %d: we sealed it before; not deciding it alone again", self.shard,
@@ -620,8 +620,8 @@ class ShardSync:
             self._not_certified(pending, frozenset({self.me}))
             return ShardOutcome(new_tensors=None, group_size=1, uncertified=True, deferred=pending.payload is not None)
         meta = pending.meta
-        ours = () if pending.payload is None else (Entry(self.me, meta.size, meta.digest, meta.tokens),)
-        seal = Seal(self.me, pending.round, meta.start_fp, ours, self.proof)
+        entries = () if pending.payload is None else (Entry(self.me, meta.size, meta.digest, meta.tokens),)
+        seal = Seal(self.me, pending.round, meta.start_fp, entries, self.proof)
         roster.seal(seal)
         self._remember(seal)
         self.certificate = Certificate(pending.round, frozenset({self.me}), meta.start_fp)

@@ -38,9 +38,9 @@ dials it again (a no-op while connected): relays reset circuits after 128 KiB (`
 and the peerstore then keeps only the peer's private addresses, which nobody can dial."""
 MAX_ASKED = 3
 DIAL_TIMEOUT_S = 15.0
-"""Longest a background dial may take. The daemon's reply to a dial of a dead peer could be lost, and a dial left
-waiting on it was garbage-collected mid-wait ("Task was destroyed but it is pending!", logged as an error by
-restarted nodes of the kill soak): the peer was then never noted as answered or silent, nor dialed again."""
+"""Longest a background dial may take. Restarted nodes of the kill soak logged dials garbage-collected mid-wait
+("Task was destroyed but it is pending!": nothing held what they waited for); such a peer was then never noted as
+answered or silent, nor dialed again. With the timeout the kill soak logs none."""
 
 
 @dataclass
