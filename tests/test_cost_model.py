@@ -262,9 +262,12 @@ def test_swarm_files_expand_counts_convert_tflops_and_reject_typos(tmp_path: Pat
     path.write_text(
         'rtt_ms = 40\n[[node]]\nname = "dc"\ncount = 2\ntflops = 6\nmemory_gb = 80\nup_mbit = 1000\n'
         '[[node]]\nname = "home"\ntokens_per_s = 500\nmemory_gb = 8\nup_mbit = 20\ndown_mbit = 200\nrelayed = true\n'
+        '[[node]]\nname = "server"\ngpus = 8\ntokens_per_s = 500\nmemory_gb = 80\nup_mbit = 10000\n'
     )
     peers, links = load_swarm(path, parameters=10**6)
-    assert [p.peer_id for p in peers] == ["dc-0", "dc-1", "home"] and links.rtt_ms == 40
+    assert [p.peer_id for p in peers] == ["dc-0", "dc-1", "home", "server"] and links.rtt_ms == 40
+    server = peers[3]  # one replica on 8 GPUs: 8 × one GPU's speed, one GPU's memory (each holds the model)
+    assert (server.tokens_per_s, server.memory_bytes) == (4000, 80e9)
     assert peers[0].tokens_per_s == pytest.approx(6e12 / 6e6) and peers[0].download_mbps == 1000
     assert (peers[2].upload_mbps, peers[2].download_mbps, peers[2].relayed) == (20, 200, True)
     node = {"name": "x", "tokens_per_s": 1, "memory_gb": 1, "up_mbit": 1}
@@ -272,6 +275,7 @@ def test_swarm_files_expand_counts_convert_tflops_and_reject_typos(tmp_path: Pat
         ({"node": [{**node, "down_mibt": 5}]}, "unknown key.*down_mibt"),
         ({"node": [{**node, "tflops": 3}]}, "exactly one of tokens_per_s and tflops"),
         ({"node": [{**node, "count": 0}]}, "count must be an integer"),
+        ({"node": [{**node, "gpus": 1.5}]}, "gpus must be an integer"),
         ({"node": [node, node]}, "unique"),
         ({"node": [{**node, "up_mbit": "fast"}]}, "up_mbit.*finite number"),
         ({"nodes": []}, "unknown key"),

@@ -8,6 +8,8 @@
     tokens_per_s = 20000         # full-model training throughput (what `join` measures and advertises), or
     tflops = 150                 # effective training TFLOP/s instead: tokens/s = tflops × 10¹² / (6 × parameters)
     memory_gb = 80
+    gpus = 8                     # optional, default 1: a server training one replica on all its GPUs
+                                 # (`join --devices all`); speed and memory_gb are per GPU, the node is one replica
     up_mbit = 10000
     down_mbit = 10000            # optional, default up_mbit
     relayed = false              # optional: reachable only through a relay
@@ -26,7 +28,7 @@ from hetero_node.client.swarm.cost_model import LinkModel
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.protocol.errors import ConfigError
 
-NODE_KEYS = {"name", "count", "tokens_per_s", "tflops", "memory_gb", "up_mbit", "down_mbit", "relayed"}
+NODE_KEYS = {"name", "count", "gpus", "tokens_per_s", "tflops", "memory_gb", "up_mbit", "down_mbit", "relayed"}
 TOP_KEYS = {"rtt_ms", "matchmaking_s", "node"}
 
 
@@ -75,9 +77,10 @@ def _node_kind(kind: Any, parameters: int, where: str) -> list[PeerInfo]:
         raise ConfigError(f"{where}: `name` must be a non-empty string")
     if ("tokens_per_s" in kind) == ("tflops" in kind):
         raise ConfigError(f"{where} ({name}): give exactly one of tokens_per_s and tflops")
-    count = kind.get("count", 1)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ConfigError(f"{where} ({name}): count must be an integer ≥ 1")
+    count, gpus = kind.get("count", 1), kind.get("gpus", 1)
+    for key, value in (("count", count), ("gpus", gpus)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where} ({name}): {key} must be an integer ≥ 1")
     if "tflops" in kind:
         tokens_per_s = _number(kind, "tflops", None, where) * 1e12 / (6 * parameters)
     else:
@@ -85,6 +88,7 @@ def _node_kind(kind: Any, parameters: int, where: str) -> list[PeerInfo]:
     up = _number(kind, "up_mbit", None, where)
     down = _number(kind, "down_mbit", up, where)
     memory = _number(kind, "memory_gb", None, where) * 1e9
+    tokens_per_s *= gpus  # data parallel inside the node; each GPU holds the whole model, so memory stays per GPU
     if min(tokens_per_s, up, down, memory) <= 0:
         raise ConfigError(f"{where} ({name}): speed, links and memory must be > 0")
     relayed = kind.get("relayed", False)
