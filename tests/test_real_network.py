@@ -123,6 +123,7 @@ def test_a_peer_restarted_on_a_new_address_is_found_again(tmp_path: Path) -> Non
     assert back, f"r1 never averaged with r0 again from {new}:\n" + "\n".join(f"{n}:\n{t}" for n, t in both.items())
     assert rounds_of(tmp_path, 0)[back[0]]["fingerprints"] == rounds_of(tmp_path, 1)[back[0]]["fingerprints"]
     assert "resumed from checkpoint" in log, "the moved node is the same peer, resuming its own state"
+    assert "speed as this node's last rounds measured it" in log, "the restart probed its speed again"
 
 
 def _round_lines(log: str, keep: int = 40) -> str:

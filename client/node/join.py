@@ -26,6 +26,7 @@ from hetero_node.client.node.bandwidth import node_bandwidth
 from hetero_node.client.node.capabilities import measure_throughput, probe_hardware
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.leaving import leave_on_signals
+from hetero_node.client.roles.measured_speed import load_speed, speed_key
 from hetero_node.client.roles.metrics import RoundRecord
 from hetero_node.client.swarm.addresses import identity_taken
 from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
@@ -60,9 +61,16 @@ def _initial_record(
         runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
     )
     fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
-    throughput = measure_throughput(run, devices[0]) if fits and requested_role != REQUEST_STAGE else 0.0
-    step_s = run.batch_size * run.seq_len / throughput + node.step_delay_s if throughput > 0 else 0.0
-    throughput *= len(devices)  # an estimate (a step of each rank at once) until the first round measures it
+    throughput, step_s = 0.0, 0.0
+    if fits and requested_role != REQUEST_STAGE:
+        kept = load_speed(node.checkpoint_dir, speed_key(run, node, devices))
+        if kept is not None:  # a restart: the speed our last rounds measured, not a probe's
+            logger.info("speed as this node's last rounds measured it: %.0f tokens/s", kept.tokens_per_s)
+            throughput, step_s = kept.tokens_per_s, kept.step_s
+        else:
+            throughput = measure_throughput(run, devices[0])
+            step_s = run.batch_size * run.seq_len / throughput + node.step_delay_s
+            throughput *= len(devices)  # an estimate (a step of each rank at once) until the first round measures it
     return PeerRecord(
         peer_id=str(runtime.peer_id),
         addrs=runtime.advertised_addrs[:16],

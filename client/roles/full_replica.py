@@ -20,6 +20,7 @@ from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.local.collective import mean_gradients
 from hetero_node.client.local.devices import resolve_devices
 from hetero_node.client.local.group import LocalGroup
+from hetero_node.client.roles.measured_speed import MeasuredSpeed, save_speed, speed_key
 from hetero_node.client.roles.replica import STEP_STRIDE, Replica, replica_number
 from hetero_node.client.roles.round_record import Trained
 from hetero_node.client.roles.schedule import RoundPlan
@@ -70,6 +71,8 @@ class FullReplica(Replica):
         )
         self._trainer.warm_up(*self.batches.batch(0))  # compile before the first round, not inside its clock
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
+        self.speed_key = None if node.checkpoint_dir is None else speed_key(run, node, devices)
+        """What our measured speed is kept beside the checkpoint for (None: no checkpoint directory)."""
         self.eval_s = 0.0
         """How long the last evaluation took (0: none yet)."""
 
@@ -144,11 +147,12 @@ class FullReplica(Replica):
         compute_s += time.perf_counter() - step_started
         loss = sum(torch.stack(losses).tolist()) / len(losses) if losses else None
         tokens = len(losses) * a * world * self.run_cfg.batch_size * self.run_cfg.seq_len
+        tokens_per_s = round(tokens / max(compute_s, 1e-9), 1)
         self.announce(
-            train_round=t,
-            loss=loss if loss is not None and math.isfinite(loss) else None,
-            tokens_per_s=round(tokens / max(compute_s, 1e-9), 1),
+            train_round=t, loss=loss if loss is not None and math.isfinite(loss) else None, tokens_per_s=tokens_per_s
         )
+        if self.speed_key is not None and self.node.checkpoint_dir is not None and tokens and self.clock.step_s > 0:
+            save_speed(self.node.checkpoint_dir, self.speed_key, MeasuredSpeed(tokens_per_s, self.clock.step_s))
         return Trained(len(losses), tokens, loss, compute_s, time.perf_counter() - started, a)
 
     def train_step(self, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
