@@ -26,7 +26,7 @@ from hetero_node.protocol.keys import RUN_KEY_HANDLER, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.reachability import register_dialback_handler
-from hetero_node.protocol.records import RunAnnouncement, base_validators, run_validators
+from hetero_node.protocol.records import RunAnnouncement, base_validators, run_validators, sealed_announcement
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.socket_dir import use_private_socket_dir
 from hetero_node.protocol.swarm_key import MemberProofValidator, load_swarm_key
@@ -88,7 +88,7 @@ class BootstrapNode:
             )
         except Exception as e:  # port in use, unreadable identity, ...: say so in one line
             raise PeerAddressError(f"could not start the bootstrap DHT on {cfg.host}:{cfg.port}: {e}") from None
-        self.announcement = RunAnnouncement(
+        announcement = RunAnnouncement(
             peer_id=str(self.dht.peer_id),
             run_id=run.run_id,
             software_version=version("hetero-node"),
@@ -97,6 +97,8 @@ class BootstrapNode:
             config=run.to_dict(),
             private=swarm_key is not None,
         ).dict()
+        self.announcement = sealed_announcement(announcement, swarm_key)
+        """What the DHT holds: the run announcement, sealed in a private swarm."""
         self.dht.run_coroutine(partial(_serve_requests, public_key=self.signer.local_public_key, run_id=run.run_id))
         self.stop = threading.Event()
         self.announced = threading.Event()

@@ -18,7 +18,7 @@ from typing import Any
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from pydantic.v1 import confloat, conint, conlist, constr
+from pydantic.v1 import conbytes, confloat, conint, conlist, constr
 
 from hetero_node.protocol.keys import KEY_PREFIX, run_prefix
 from hetero_node.protocol.roles import (
@@ -31,7 +31,7 @@ from hetero_node.protocol.roles import (
     ROLE_STAGE,
     ROLES,
 )
-from hetero_node.protocol.swarm_key import PROOF_PATTERN
+from hetero_node.protocol.swarm_key import PROOF_PATTERN, open_value, seal_value
 
 PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"
 """A base58 libp2p peer id."""
@@ -134,16 +134,38 @@ class RunAnnouncement(pydantic.BaseModel):
     """Only peers holding the swarm key take part (a joiner without one is told so, not left waiting)."""
 
 
+MAX_SEALED_BYTES = 64 * 1024
+"""A sealed record or announcement (a record is well under 1 KB; a run config a few KB)."""
+
+
+class SealedRecord(pydantic.BaseModel):
+    """A private swarm's `PeerRecord`: its author and member proof in the clear (what `MemberProofValidator` checks
+    on every DHT node), the record itself sealed with the swarm key (`swarm_key.seal_value`)."""
+
+    peer_id: constr(strict=True, regex=PEER_ID_PATTERN)  # type: ignore[valid-type]
+    member_proof: constr(strict=True, regex=PROOF_PATTERN)  # type: ignore[valid-type]
+    sealed: conbytes(strict=True, max_length=MAX_SEALED_BYTES)  # type: ignore[valid-type]
+
+
+class SealedAnnouncement(pydantic.BaseModel):
+    """A private swarm's `RunAnnouncement`: sealed, with only "private" in the clear, so a joiner without the key is
+    told what it lacks."""
+
+    peer_id: constr(strict=True, regex=PEER_ID_PATTERN)  # type: ignore[valid-type]
+    private: pydantic.StrictBool
+    sealed: conbytes(strict=True, max_length=MAX_SEALED_BYTES)  # type: ignore[valid-type]
+
+
 class _PeersKey(pydantic.BaseModel):
     """Field name = keys.PEERS_FIELD: SchemaValidator derives the DHT key from it."""
 
-    peers: dict[BytesWithPublicKey, PeerRecord]  # type: ignore[valid-type]
+    peers: dict[BytesWithPublicKey, PeerRecord | SealedRecord]  # type: ignore[valid-type]
 
 
 class _RunsKey(pydantic.BaseModel):
     """Field name = keys.RUNS_FIELD."""
 
-    runs: dict[BytesWithPublicKey, RunAnnouncement]  # type: ignore[valid-type]
+    runs: dict[BytesWithPublicKey, RunAnnouncement | SealedAnnouncement]  # type: ignore[valid-type]
 
 
 def base_validators(signer: RSASignatureValidator) -> list[Any]:
@@ -168,14 +190,59 @@ def _strict_parse(model: type[pydantic.BaseModel], value: Any) -> Any:
     return parsed if parsed.dict() == value else None
 
 
-def parse_peer_record(value: Any) -> PeerRecord | None:
-    """A record read from the DHT, re-checked here (a stock node on the path may not validate); None if invalid."""
-    return _strict_parse(PeerRecord, value)
+def parse_peer_record(value: Any, swarm_key: bytes | None = None) -> PeerRecord | None:
+    """A record read from the DHT, re-checked here (a stock node on the path may not validate); None if invalid.
+    With `swarm_key` (a private swarm) only a record sealed with it by the peer it names counts."""
+    if swarm_key is None:
+        return _strict_parse(PeerRecord, value)
+    outer = _strict_parse(SealedRecord, value)
+    if outer is None:
+        return None
+    record = _strict_parse(PeerRecord, open_value(swarm_key, outer.sealed, _record_context(outer.peer_id)))
+    return record if record is not None and record.peer_id == outer.peer_id else None
 
 
-def parse_run_announcement(value: Any) -> RunAnnouncement | None:
-    """A bootstrap's run announcement read from the DHT, strictly checked; None if invalid."""
-    return _strict_parse(RunAnnouncement, value)
+def sealed_record(value: dict[str, Any], swarm_key: bytes | None) -> dict[str, Any]:
+    """What a peer stores for its record `value`: the record itself, or in a private swarm a `SealedRecord`."""
+    if swarm_key is None:
+        return value
+    peer_id = value["peer_id"]
+    sealed = seal_value(swarm_key, value, _record_context(peer_id))
+    return SealedRecord(peer_id=peer_id, member_proof=value["member_proof"], sealed=sealed).dict()
+
+
+def parse_run_announcement(value: Any, swarm_key: bytes | None = None) -> RunAnnouncement | None:
+    """A bootstrap's run announcement read from the DHT, strictly checked (opened with `swarm_key` if sealed); None
+    if invalid or sealed with another key."""
+    outer = _strict_parse(SealedAnnouncement, value)
+    if outer is None:
+        return _strict_parse(RunAnnouncement, value)
+    if swarm_key is None:
+        return None
+    announcement = _strict_parse(RunAnnouncement, open_value(swarm_key, outer.sealed, _run_context(outer.peer_id)))
+    return announcement if announcement is not None and announcement.peer_id == outer.peer_id else None
+
+
+def is_sealed_announcement(value: Any) -> bool:
+    """Whether a run announcement is a private swarm's (readable with its key only)."""
+    return _strict_parse(SealedAnnouncement, value) is not None
+
+
+def sealed_announcement(value: dict[str, Any], swarm_key: bytes | None) -> dict[str, Any]:
+    """What a bootstrap stores for its announcement `value`: itself, or in a private swarm a `SealedAnnouncement`."""
+    if swarm_key is None:
+        return value
+    peer_id = value["peer_id"]
+    sealed = seal_value(swarm_key, value, _run_context(peer_id))
+    return SealedAnnouncement(peer_id=peer_id, private=True, sealed=sealed).dict()
+
+
+def _record_context(peer_id: str) -> str:
+    return f"hetero-node record of {peer_id}"
+
+
+def _run_context(peer_id: str) -> str:
+    return f"hetero-node run announced by {peer_id}"
 
 
 __all__ = [
@@ -190,7 +257,13 @@ __all__ = [
     "GpuInfo",
     "PeerRecord",
     "RunAnnouncement",
+    "SealedAnnouncement",
+    "SealedRecord",
     "base_validators",
+    "is_sealed_announcement",
     "parse_peer_record",
+    "parse_run_announcement",
     "run_validators",
+    "sealed_announcement",
+    "sealed_record",
 ]

@@ -9,11 +9,15 @@ proof read from the DHT is worth nothing to anyone else. With a key:
   and readers drop it, so an outsider never appears in anyone's view (no role, no slot, no neighbour);
 * blobs (messages, manifests, states) are served only to peers whose record is in the view;
 * averaging groups leave out members whose gathered metadata carries no valid proof (every member sees the same
-  metadata, so all leave out the same ones).
+  metadata, so all leave out the same ones);
+* records and the run announcement are sealed (`seal_value`): AES-256-GCM under a key derived from the swarm key,
+  bound to their author. What stays in the clear is what DHT nodes check before storing (the author's peer id, its
+  proof, "private"), so an outsider who knows the bootstrap learns no address, hardware, role or run config.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -21,6 +25,10 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -28,6 +36,9 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hetero_node.protocol.errors import ConfigError
 
 KEY_BYTES = 32
+NONCE_BYTES = 12
+SEALED_FIELD = "sealed"
+"""The field of a sealed DHT value that holds its encrypted content."""
 PROOF_PATTERN = r"^([0-9a-f]{64})?$"
 """A proof in a record or group metadata: 64 hex digits, or "" in a public swarm."""
 
@@ -72,6 +83,35 @@ def is_member(key: bytes | None, peer_id: Any, proof: Any) -> bool:
     if not (isinstance(peer_id, str) and isinstance(proof, str)):
         return False
     return hmac.compare_digest(member_proof(key, peer_id), proof)
+
+
+@functools.lru_cache(maxsize=4)
+def _cipher(key: bytes) -> AESGCM:
+    """The sealing cipher of a swarm key: its own derived key, so the HMAC proofs and the cipher never share one."""
+    derived = HKDF(algorithm=SHA256(), length=32, salt=None, info=b"hetero-node sealed values").derive(key)
+    return AESGCM(derived)
+
+
+def seal_value(key: bytes, value: Any, context: str) -> bytes:
+    """`value` (anything the DHT's msgpack stores) encrypted and authenticated under `key`, bound to `context` (who
+    wrote it, what it is): a member cannot pass another's sealed value off as its own."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + _cipher(key).encrypt(nonce, DHTProtocol.serializer.dumps(value), context.encode())
+
+
+def open_value(key: bytes, sealed: Any, context: str) -> Any | None:
+    """What `seal_value` sealed under `key` and `context`; None when it was not (another key or context, a changed
+    byte, not bytes at all)."""
+    if not isinstance(sealed, bytes) or len(sealed) <= NONCE_BYTES:
+        return None
+    try:
+        plain = _cipher(key).decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], context.encode())
+    except InvalidTag:
+        return None
+    try:
+        return DHTProtocol.serializer.loads(plain)
+    except Exception:  # msgpack's own error types: a member sealed bytes that are not a value
+        return None
 
 
 class MemberProofValidator(RecordValidatorBase):

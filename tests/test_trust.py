@@ -25,9 +25,17 @@ from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, MAX_STREAMS_PER_P
 from hetero_node.protocol import socket_dir
 from hetero_node.protocol.errors import DaemonError, PayloadError
 from hetero_node.protocol.frames import MAX_FRAME_BYTES
-from hetero_node.protocol.keys import blob_handler_name
-from hetero_node.protocol.records import PeerRecord
-from hetero_node.protocol.swarm_key import is_member, member_proof
+from hetero_node.protocol.keys import blob_handler_name, peers_key
+from hetero_node.protocol.records import (
+    PeerRecord,
+    RunAnnouncement,
+    is_sealed_announcement,
+    parse_peer_record,
+    parse_run_announcement,
+    sealed_announcement,
+    sealed_record,
+)
+from hetero_node.protocol.swarm_key import is_member, member_proof, open_value, seal_value
 
 pytestmark = [pytest.mark.multipeer, pytest.mark.timeout(180)]
 
@@ -163,6 +171,13 @@ def test_a_private_swarm_keeps_out_a_peer_that_knows_its_address_but_not_its_key
             time.sleep(0.5)
         time.sleep(3)  # time for the outsiders' stores to arrive, if anything accepted them
         assert set(members[0].read_records() or {}) == set(members[1].read_records() or {}) == wanted
+        # what the DHT shows an outsider of the members' records: ids and proofs, nothing they said about themselves
+        raw = outsider.read_signed(peers_key(RUN_ID), timeout=10) or {}
+        assert wanted <= set(raw), "the outsider could not even see that the members exist"
+        assert not set(outsider.read_records() or {}) & wanted, "an outsider read a member's record"
+        for pid in wanted:
+            assert set(raw[pid]) == {"peer_id", "member_proof", "sealed"}, raw[pid]
+            assert b"cpu_cores" not in raw[pid]["sealed"] and b"upload_mbps" not in raw[pid]["sealed"]
         members[0].publish("msg:ab", 0, 1, b"weights")
         assert members[1].fetch(members[0].peer_id, "msg:ab", 0, 1, max_size=100, timeout=10) == (1, b"weights")
         for intruder in (outsider, forger):
@@ -178,3 +193,41 @@ def test_a_member_proof_is_bound_to_its_peer_id() -> None:
     assert is_member(key, "peer-a", member_proof(key, "peer-a"))
     assert not is_member(key, "peer-b", member_proof(key, "peer-a")) and not is_member(key, "peer-a", "")
     assert not is_member(key, "peer-a", None) and is_member(None, "peer-a", "")  # a public swarm admits anyone
+
+
+def test_a_sealed_value_opens_only_with_its_key_and_context() -> None:
+    key = os.urandom(32)
+    sealed = seal_value(key, {"addrs": ["/ip4/10.0.0.7/tcp/31337"]}, "record of A")
+    assert b"10.0.0.7" not in sealed and sealed != seal_value(
+        key, {"addrs": ["/ip4/10.0.0.7/tcp/31337"]}, "record of A"
+    )
+    assert open_value(key, sealed, "record of A") == {"addrs": ["/ip4/10.0.0.7/tcp/31337"]}
+    flipped = sealed[:-1] + bytes([sealed[-1] ^ 1])
+    for other_key, context, value in ((os.urandom(32), "record of A", sealed), (key, "record of B", sealed),
+                                      (key, "record of A", flipped), (key, "record of A", b"short"),
+                                      (key, "record of A", "not bytes")):  # fmt: skip
+        assert open_value(other_key, value, context) is None
+
+
+def test_a_private_swarms_records_and_announcement_are_readable_with_its_key_only() -> None:
+    key, a, b = (
+        os.urandom(32),
+        "QmWULMk9Qn4QxcmfeWAkWRxG29ZSKN6WPPB4K7Qhi5i1hp",
+        "QmU41q44JxNgU7z294ZKhe3C2E6JL1aLXKswqrBhkHqHzS",
+    )
+    record = record_fields(a, addrs=["/ip4/10.0.0.7/tcp/31337"], member_proof=member_proof(key, a))
+    stored = sealed_record(record, key)
+    assert set(stored) == {"peer_id", "member_proof", "sealed"} and sealed_record(record, None) == record
+    assert parse_peer_record(stored, key) == PeerRecord(**record)
+    assert parse_peer_record(stored) is None and parse_peer_record(stored, os.urandom(32)) is None
+    assert parse_peer_record(record, key) is None, "a private swarm took a record in the clear"
+    passed_off = {**sealed_record(record_fields(b, member_proof=member_proof(key, b)), key), "peer_id": a}
+    assert parse_peer_record(passed_off, key) is None, "b's sealed record was taken as a's"
+    announcement = RunAnnouncement(peer_id=a, run_id="0123456789abcdef", software_version="0.1.0", protocol_version=13,
+                                   data_source="bundled", config={"preset": "tiny"}, private=True).dict()  # fmt: skip
+    sealed = sealed_announcement(announcement, key)
+    assert is_sealed_announcement(sealed) and b"tiny" not in sealed["sealed"]
+    assert parse_run_announcement(sealed, key) == RunAnnouncement(**announcement)
+    assert parse_run_announcement(sealed) is None and parse_run_announcement(sealed, os.urandom(32)) is None
+    public = {**announcement, "private": False}
+    assert sealed_announcement(public, None) == public and parse_run_announcement(public) == RunAnnouncement(**public)

@@ -287,13 +287,17 @@ def status(
     serve: int | None = typer.Option(
         None, "--serve", help="Serve the web dashboard (and /metrics) on this port of 127.0.0.1 until Ctrl-C."
     ),
+    swarm_key: Path | None = typer.Option(
+        None, "--swarm-key", help="A private swarm's key file: its records and run are sealed with it."
+    ),
 ) -> None:
     """Show the swarm: peers, roles, virtual replicas and their missing stages, rounds and losses."""
     from hetero_node.client.cli.status import show_status
+    from hetero_node.protocol.swarm_key import load_swarm_key
 
     if serve is not None and not 0 <= serve < 65536:
         raise ConfigError(f"--serve must be in 0..65535, got {serve}")
-    show_status(peers, run_id, as_json, watch, serve, console)
+    show_status(peers, run_id, as_json, watch, serve, console, load_swarm_key(swarm_key))
 
 
 @app.command(rich_help_panel=VOLUNTEER)

@@ -20,6 +20,7 @@ from hetero_node.models.config import get_preset
 from hetero_node.protocol.errors import ConfigError, positive_int_list
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
+from hetero_node.protocol.swarm_key import load_swarm_key
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class PlanConfig:
     peers: list[str] = field(
         default_factory=list,
         metadata={"help": "Plan a live swarm instead: its bootstrap's multiaddr (nodes, roles and run from the DHT)."},
+    )
+    swarm_key: Path | None = field(
+        default=None, metadata={"help": "With --peers: the private swarm's key file (its records are sealed with it)."}
     )
     exchange: str = field(
         default="relay-tree",
@@ -84,7 +88,7 @@ def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerI
     if (cfg.swarm is None) == (not cfg.peers):
         raise ConfigError("give --swarm FILE (a described swarm) or --peers ADDR (a live one), not both or neither")
     if cfg.peers:
-        run, nodes, current = read_live_swarm(cfg.peers)
+        run, nodes, current = read_live_swarm(cfg.peers, load_swarm_key(cfg.swarm_key))
         links, where, baseline = LinkModel(), "the live swarm", "now"
     else:
         nodes, links = load_swarm(cfg.swarm, get_preset(run.preset, vocab_size=run.vocab_size).n_params())
@@ -102,7 +106,7 @@ def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerI
     return result, by_id, baseline
 
 
-def read_live_swarm(peers: list[str]) -> tuple[RunConfig, list[PeerInfo], Assignment]:
+def read_live_swarm(peers: list[str], swarm_key: bytes | None = None) -> tuple[RunConfig, list[PeerInfo], Assignment]:
     """The announced run, every node as the live planner sees it (a relayed one at its share of the relay), and
     the assignment the records hold (virtual replicas with every stage held)."""
     from hetero_node.client.node.run_definition import fetch_run_announcement
@@ -111,7 +115,7 @@ def read_live_swarm(peers: list[str]) -> tuple[RunConfig, list[PeerInfo], Assign
     from hetero_node.client.swarm.runtime import PeerRuntime
 
     runtime = PeerRuntime(parse_peer_multiaddrs([p for arg in peers for p in arg.replace(",", " ").split()]),
-                          client_mode=True)  # fmt: skip
+                          client_mode=True, swarm_key=swarm_key)  # fmt: skip
     try:
         announcement = fetch_run_announcement(runtime)
         if announcement is None:

@@ -74,12 +74,13 @@ def render(snapshot: dict[str, Any]) -> Group:
 
 
 def show_status(
-    peers: list[str], run_id: str | None, as_json: bool, watch_s: float, serve_port: int | None, console: Console
-) -> None:
+    peers: list[str], run_id: str | None, as_json: bool, watch_s: float, serve_port: int | None, console: Console,
+    swarm_key: bytes | None = None,
+) -> None:  # fmt: skip
     """See the module docstring; with `watch_s` > 0, refresh until Ctrl-C; with `serve_port`, serve the dashboard
-    on 127.0.0.1 until Ctrl-C."""
+    on 127.0.0.1 until Ctrl-C; with `swarm_key`, a private swarm's (sealed) records."""
     addresses = parse_peer_multiaddrs([p for arg in peers for p in arg.replace(",", " ").split()])
-    runtime = PeerRuntime(addresses, client_mode=True)
+    runtime = PeerRuntime(addresses, client_mode=True, swarm_key=swarm_key)
     try:
         announcement = fetch_run_announcement(runtime)
         if announcement is None and run_id is None:

@@ -172,8 +172,8 @@ def run_node(
         on_status("reading the run announcement")
         announcement = fetch_run_announcement(runtime)
         if announcement is not None:
-            if announcement.private and swarm_key is None:
-                raise ConfigError("this swarm is private: pass --swarm-key FILE with the key its operator gave you")
+            if swarm_key is not None and not announcement.private:  # our sealed record would be unreadable there
+                raise ConfigError("this swarm is public: drop --swarm-key (its peers could not read our record)")
             run, store = adopt_announced_run(announcement, configs, explicit)
         else:
             logger.warning("no peer in --peers announces a run; using this node's own run options")

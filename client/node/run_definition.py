@@ -25,7 +25,7 @@ from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.keys import RUN_KEY_HANDLER
 from hetero_node.protocol.proto_build import load_proto_module
-from hetero_node.protocol.records import RunAnnouncement, parse_run_announcement
+from hetero_node.protocol.records import RunAnnouncement, is_sealed_announcement, parse_run_announcement
 from hetero_node.protocol.run_config import (
     PROTOCOL_VERSION,
     OptimConfig,
@@ -217,7 +217,13 @@ def fetch_run_announcement(runtime: PeerRuntime, timeout_s: float = 15.0) -> Run
             found = runtime.read_run_announcements() or {}
             if reply.public_key in found:
                 raw = found[reply.public_key]
-                announcement = parse_run_announcement(raw)
+                announcement = parse_run_announcement(raw, runtime.swarm_key)
+                if announcement is None and is_sealed_announcement(raw):
+                    raise ConfigError(
+                        "this swarm is private: pass --swarm-key FILE with the key its operator gave you"
+                        if runtime.swarm_key is None
+                        else "--swarm-key: this swarm's run announcement does not open with that key (another swarm's?)"
+                    )
                 if announcement is None:  # an older or newer release's announcement says which one it is
                     if isinstance(raw, dict):
                         _check_versions(raw.get("protocol_version"), raw.get("software_version"))

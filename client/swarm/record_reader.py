@@ -43,7 +43,7 @@ def latest_valid_records(
 ) -> dict[str, tuple[PeerRecord, float]]:
     """(record, expiration) of the records that pass the schema and are signed by the key of the peer id they
     claim (`protocol/identity.py`), by peer id. A record signed by any other key is dropped: it is a forgery. In a
-    private swarm, so is one without a valid member proof.
+    private swarm, so is one not sealed with the swarm key or without a valid member proof.
 
     `ledger` is the reader's memory (`work_ledger.py`; a throwaway one without): it notes first sights, keeps at most
     `limit` records (working peers, then incumbents: a flood costs the planner a bounded amount and cannot push
@@ -51,7 +51,7 @@ def latest_valid_records(
     ledger = ledger if ledger is not None else WorkLedger()
     best: dict[str, tuple[PeerRecord, float]] = {}
     for subkey, (value, expiration) in found.items():
-        record = parse_peer_record(value)
+        record = parse_peer_record(value, swarm_key)
         if record is None or owner_peer_id(subkey) != record.peer_id:
             continue
         if not is_member(swarm_key, record.peer_id, record.member_proof):

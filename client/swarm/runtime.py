@@ -37,7 +37,7 @@ from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.rate_limit import PeerBudget
 from hetero_node.protocol.reachability import register_dialback_handler
-from hetero_node.protocol.records import PeerRecord, base_validators, run_validators
+from hetero_node.protocol.records import PeerRecord, base_validators, run_validators, sealed_record
 from hetero_node.protocol.socket_dir import use_private_socket_dir
 from hetero_node.protocol.swarm_key import MemberProofValidator
 
@@ -426,7 +426,7 @@ class PeerRuntime:
             self.dht.store(
                 peers_key(self.run_id),
                 subkey=self.signer.local_public_key,
-                value={**record.dict(), "written_at": now},  # signed with the rest: readers age it by it
+                value=sealed_record({**record.dict(), "written_at": now}, self.swarm_key),  # readers age it by that
                 expiration_time=now + 3 * refresh_s,
                 return_future=True,  # a lost store is repaired by the next refresh (hivemind may report False)
             )
