@@ -19,8 +19,9 @@ from typing import Any
 from hetero_node.protocol.errors import ConfigError, require_positive
 from hetero_node.protocol.outer_specs import outer_spec
 
-PROTOCOL_VERSION = 13
-"""Bumped whenever a message layout or an aggregation rule changes; part of `run_id`."""
+PROTOCOL_VERSION = 14
+"""Bumped whenever a message layout or an aggregation rule changes (14: a private swarm's records are sealed); part
+of `run_id`."""
 
 MAX_CHUNK = 64
 """Largest chunk side: in-chunk indices must fit the 12 bits of the wire format (64² = 4096)."""
