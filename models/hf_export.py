@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from hetero_node.models.config import ModelConfig
+from hetero_node.models.meta import on_meta
 from hetero_node.models.transformer import Transformer
 from hetero_node.protocol.errors import ConfigError
 
@@ -48,7 +49,7 @@ LAYER_NAMES = {
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name → shape of every tensor of the full model's state_dict (built on the meta device: no memory), the
     fixed table included: it is optional, but when present it has the embedding's shape."""
-    with torch.device("meta"):
+    with on_meta():
         shapes = {name: tuple(t.shape) for name, t in Transformer(cfg).state_dict().items()}
     return {**shapes, FIXED_TABLE: shapes["embed.weight"]}
 

@@ -10,9 +10,8 @@ pessimistic.
 
 from __future__ import annotations
 
-import torch
-
 from hetero_node.models.config import ModelConfig
+from hetero_node.models.meta import on_meta
 from hetero_node.models.stages import stage_layer_ranges
 from hetero_node.models.transformer import Transformer
 
@@ -24,7 +23,7 @@ HEADROOM = 1.25
 
 def parameter_count(cfg: ModelConfig, layers: range, with_embed: bool, with_head: bool) -> int:
     """Exact count, from the module built on the meta device (no memory is allocated)."""
-    with torch.device("meta"):
+    with on_meta():
         module = Transformer(cfg, layers=layers, with_embed=with_embed, with_head=with_head)
     return sum(p.numel() for p in module.parameters())
 

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from hetero_node.models.config import ModelConfig
+from hetero_node.models.meta import on_meta
 from hetero_node.models.stages import StageModule
 
 
 def shard_parameter_names(cfg: ModelConfig, n_stages: int) -> list[list[str]]:
     """Global parameter names of each stage's shard, in the documented order (built on the meta device: no memory)."""
-    with torch.device("meta"):
+    with on_meta():
         stages = [StageModule(cfg, s, n_stages) for s in range(n_stages)]
     return [[name for name, _ in stage.named_parameters()] for stage in stages]
 

@@ -50,9 +50,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every (position, frequency) pair, shape (max_seq_len, head_dim / 2)."""
-    freqs = cfg.rope_theta ** -(torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), freqs)
+    """cos and sin of every (position, frequency) pair, shape (max_seq_len, head_dim / 2); on the CPU, whatever the
+    default device (the module moves them with itself; on the meta device they would cost torch's compiler import,
+    `models/meta.py`)."""
+    freqs = cfg.rope_theta ** -(torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32, device="cpu"), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -114,7 +116,7 @@ class Transformer(nn.Module):
     """The decoder, or the slice of it holding `layers` (global indices) plus, optionally, embedding and head.
 
     With `with_embed` the input is token ids (B, T) int64, else hidden states (B, T, d_model). With `with_head`
-    the output is logits (B, T, vocab_size), else hidden states. Build it under `torch.device("meta")` to inspect
+    the output is logits (B, T, vocab_size), else hidden states. Build it under `meta.on_meta()` to inspect
     shapes and names without allocating; initialisation is skipped there.
     """
 

@@ -8,6 +8,7 @@ and settle on a role with the planner → train as a full replica, or hold a pip
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import threading
 from collections.abc import Callable
@@ -142,6 +143,19 @@ def serve_node_metrics(
     return metrics
 
 
+TRAINING_IMPORTS = ("torch._dynamo",)
+"""What a node's first training step imports (AdamW's step imports torch's compiler): 1.5 s on an idle 2-core
+machine, 3-4 s in a busy one, on the path of every (re)start if left to that step."""
+
+
+def import_in_background(modules: tuple[str, ...] = TRAINING_IMPORTS) -> None:
+    """Import `modules` in a thread while this node waits on the network (the DHT, the run, settling on a role),
+    so its first step does not; a module the main thread needs meanwhile waits on Python's per-module lock."""
+    threading.Thread(
+        target=lambda: [importlib.import_module(name) for name in modules], name="hetero-node-imports", daemon=True
+    ).start()
+
+
 def run_node(
     configs: dict[str, Any],
     explicit: set[str],
@@ -156,6 +170,7 @@ def run_node(
     from hetero_node.client.roles.full_replica import FullReplica  # after the cheap checks: torch-heavy
     from hetero_node.client.roles.stage_peer import StagePeer
 
+    import_in_background()
     swarm_key = load_swarm_key(node.swarm_key)
     identity = node.identity or (node.checkpoint_dir / IDENTITY_NAME if node.checkpoint_dir is not None else None)
     known_key = identity is not None and identity.exists()  # a key made now is nobody else's

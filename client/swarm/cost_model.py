@@ -82,10 +82,10 @@ class RunShape:
 def _shape(run: RunConfig) -> RunShape:
     """Cached: the planner asks for the same few (rank, H) variants of one run many times. Imports here: the
     CLI loads this module to build `plan`'s options, and must not load torch for `--help`."""
-    import torch
 
     from hetero_node.models.config import get_preset
     from hetero_node.models.memory import full_and_stage_memory, parameter_count
+    from hetero_node.models.meta import on_meta
     from hetero_node.models.shards import shard_parameter_names
     from hetero_node.models.stages import stage_layer_ranges
     from hetero_node.models.transformer import Transformer
@@ -95,7 +95,7 @@ def _shape(run: RunConfig) -> RunShape:
     cfg = get_preset(run.preset, vocab_size=run.vocab_size)
     stages, micro = run.outer.stages, min(run.pipeline.microbatches, run.batch_size)
     full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, stages, run.uses_subspace)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     messages = tuple(
