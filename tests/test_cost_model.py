@@ -33,7 +33,7 @@ from hetero_node.models.config import get_preset
 from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
-from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE, ROLE_STANDBY
+from hetero_node.protocol.roles import REQUEST_AUTO, REQUEST_FULL, ROLE_FULL, ROLE_STAGE, ROLE_STANDBY
 
 GB = 10**9
 
@@ -221,6 +221,25 @@ def test_a_node_on_standby_publishes_it_and_takes_a_role_once_the_swarm_changes(
     finally:
         stop.set()
         waiter.join(5)
+
+
+def test_a_node_asking_for_a_full_replica_decides_at_once_and_others_wait_for_the_records_to_settle() -> None:
+    """--role full depends on the node's own memory: a restarted full replica does not wait `settle_s` for others'
+    records (an hour here); an auto node does, since its role depends on theirs."""
+    for requested, waits in ((REQUEST_FULL, False), (REQUEST_AUTO, True)):
+        node = peer_record("j", memory_gb=16.0, requested_role=requested)
+        board, stop = RecordBoard(node), threading.Event()
+        model = MarginalGain(SHAPE, LinkModel(overhead_bytes=0))
+        member = Membership(board, requirements(SHAPE), node, refresh_s=0.05, settle_s=3600, stop=stop, model=model)  # type: ignore[arg-type]
+        waiter = threading.Thread(target=member.settle)
+        waiter.start()
+        waiter.join(10 if not waits else 0.5)
+        assert waiter.is_alive() == waits, f"--role {requested}: waiting for the records to settle is {not waits}"
+        stop.set()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        if not waits:
+            assert member.role == ROLE_FULL
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -1,6 +1,7 @@
 """A node's place in the swarm: its signed record, its role, its pipeline slot, and its view of the plan.
 
-Joining: publish a record with role "joining" → wait for records to propagate → run the planner on every live
+Joining: publish a record with role "joining" → wait for records to propagate (not for `--role full`, which depends
+on this node's memory alone: a restarted full replica loses no time there) → run the planner on every live
 record → publish the decision (full, or a claimed (vr, stage) slot with the time of the claim) → wait again and
 re-read: a slot that someone claimed earlier (or at the same time, with a lower peer id) is lost, and the planner
 places us again. A node the planner puts on standby (its model says a pipeline of nodes like it would slow the
@@ -24,7 +25,7 @@ from hetero_node.client.swarm.reachability import CIRCUIT_SUFFIX
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
-from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING, ROLE_STAGE, ROLE_STANDBY
+from hetero_node.protocol.roles import REQUEST_FULL, ROLE_FULL, ROLE_JOINING, ROLE_STAGE, ROLE_STANDBY
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,8 @@ class Membership:
         """Decide our role and claim our slot (see the module docstring); returns the plan we acted on, or None
         when `stop` was set meanwhile."""
         self.update(role=ROLE_JOINING, vr=-1, stage=-1)
-        self.stop.wait(self.settle_s)
+        if self.record.requested_role != REQUEST_FULL:  # --role full: decided by our memory, no one else's record
+            self.stop.wait(self.settle_s)
         contests, standby_reason = 0, ""
         while contests < max_attempts:
             if self.stop.is_set():
