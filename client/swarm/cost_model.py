@@ -82,7 +82,6 @@ class RunShape:
 def _shape(run: RunConfig) -> RunShape:
     """Cached: the planner asks for the same few (rank, H) variants of one run many times. Imports here: the
     CLI loads this module to build `plan`'s options, and must not load torch for `--help`."""
-
     from hetero_node.models.config import get_preset
     from hetero_node.models.memory import full_and_stage_memory, parameter_count
     from hetero_node.models.meta import on_meta
