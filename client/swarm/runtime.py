@@ -68,10 +68,6 @@ STATE_REQUESTS_PER_MINUTE = 60
 stream a shard, so a looping peer must not turn us into its amplifier (security review H5). An honest stage asks for
 T_fixed once per round and for states once per shard when it (re)loads, with retries. A request resumed at an
 offset (through a relay) counts as the share of the blob it asks for."""
-BLOB_COPIES_PER_MINUTE = 4.0
-"""Copies of one round blob (a message, a manifest, a payload) one peer may take from us per minute, counted by the
-bytes sent: an honest peer fetches each once (retries and resumes through a relay re-send only what was lost), so a
-peer looping on one blob cannot turn us into its amplifier either. States have their own budget (above)."""
 CHALLENGE_S = 3.0
 """How long a liveness challenge (a dial at the peer's recorded addresses) may take before the peer counts as silent."""
 MAX_CHALLENGES = 64
@@ -211,8 +207,6 @@ class PeerRuntime:
         self._blobs_lock = threading.Lock()
         self._open_streams: Counter[str] = Counter()
         self._state_budget = PeerBudget(STATE_REQUESTS_PER_MINUTE, 60.0)
-        self._copy_budget = PeerBudget(BLOB_COPIES_PER_MINUTE, 60.0)
-        """Per (peer, round blob): the share of the blob sent to it in the last minute."""
         self._dht_lock = threading.Lock()  # hivemind's DHT writes requests to one pipe without a lock of its own
         self._last_request = 0.0
         self.bytes_served_total = 0
@@ -343,13 +337,8 @@ class PeerRuntime:
                 raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
             asked = max(request.piece_bytes, MIN_PIECE_BYTES) if request.piece_bytes else BLOB_PIECE_BYTES
             step = min(asked, BLOB_PIECE_BYTES)
-            blob = f"{peer} {request.kind} {request.shard} {round_}"
             for start in range(request.offset, max(len(data), request.offset + 1), step):
                 piece = wire.BlobChunk(data=data[start : start + step], total_size=len(data), round=round_)
-                share = len(piece.data) / max(len(data), 1)
-                if request.kind not in LATEST_KINDS and not self._copy_budget.take(blob, share):
-                    raise PayloadError(f"{peer} took {BLOB_COPIES_PER_MINUTE:g} copies of {request.kind} for shard "
-                                       f"{request.shard} round {round_} in the last minute")  # fmt: skip
                 self.bytes_served_total += piece.ByteSize()
                 yield piece
             self._last_request = time.monotonic()
