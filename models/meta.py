@@ -1,9 +1,10 @@
 """Modules built on the meta device to read their names, shapes and sizes, without running their initialisers.
 
 torch's layers initialise themselves as they are built (`nn.Linear` draws a uniform, `nn.Embedding` a normal), and
-on the meta device those draws are torch._refs functions whose first use imports torch's compiler: 1.5 s on an idle
-2-core machine, 3-4 s in a busy loopback swarm, every time a node starts and sizes its run (`RunShape`), for
-tensors that hold no values anyway. Our own `Transformer.reset_parameters` already skips meta parameters.
+on the meta device those draws are torch._refs functions whose first use imports torch's compiler: 1.0-1.5 s on an
+idle 2-core machine, 3-13 s in the kill soak's restarts, every time a node starts and sizes its run (`RunShape`),
+for tensors that hold no values anyway. (`rope_tables` computes on the CPU for the same reason.) Our own
+`Transformer.reset_parameters` already skips meta parameters.
 """
 
 from __future__ import annotations

@@ -196,10 +196,7 @@ def parse_peer_record(value: Any, swarm_key: bytes | None = None) -> PeerRecord 
     if swarm_key is None:
         return _strict_parse(PeerRecord, value)
     outer = _strict_parse(SealedRecord, value)
-    if outer is None:
-        return None
-    record = _strict_parse(PeerRecord, open_value(swarm_key, outer.sealed, _record_context(outer.peer_id)))
-    return record if record is not None and record.peer_id == outer.peer_id else None
+    return None if outer is None else _opened(PeerRecord, outer, swarm_key, _record_context(outer.peer_id))
 
 
 def sealed_record(value: dict[str, Any], swarm_key: bytes | None) -> dict[str, Any]:
@@ -217,10 +214,7 @@ def parse_run_announcement(value: Any, swarm_key: bytes | None = None) -> RunAnn
     outer = _strict_parse(SealedAnnouncement, value)
     if outer is None:
         return _strict_parse(RunAnnouncement, value)
-    if swarm_key is None:
-        return None
-    announcement = _strict_parse(RunAnnouncement, open_value(swarm_key, outer.sealed, _run_context(outer.peer_id)))
-    return announcement if announcement is not None and announcement.peer_id == outer.peer_id else None
+    return None if swarm_key is None else _opened(RunAnnouncement, outer, swarm_key, _run_context(outer.peer_id))
 
 
 def is_sealed_announcement(value: Any) -> bool:
@@ -235,6 +229,12 @@ def sealed_announcement(value: dict[str, Any], swarm_key: bytes | None) -> dict[
     peer_id = value["peer_id"]
     sealed = seal_value(swarm_key, value, _run_context(peer_id))
     return SealedAnnouncement(peer_id=peer_id, private=True, sealed=sealed).dict()
+
+
+def _opened(model: type[pydantic.BaseModel], outer: Any, swarm_key: bytes, context: str) -> Any:
+    """The `model` sealed in `outer` under `swarm_key` and `context` if it names the author `outer` names, else None."""
+    inner = _strict_parse(model, open_value(swarm_key, outer.sealed, context))
+    return inner if inner is not None and inner.peer_id == outer.peer_id else None
 
 
 def _record_context(peer_id: str) -> str:
