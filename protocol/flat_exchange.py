@@ -13,21 +13,25 @@ each member fetches each of them.
   fails fetches from the author). Each member downloads a message once and, while the tree holds, uploads it at
   most twice, so a peer moves at most K messages down and 2K up per round whatever R is (a parent that fails sends
   its subtree to the author instead), and a message reaches everyone after ⌊log2 R⌋ hops instead of its author
-  uploading R − 1 copies.
+  uploading R − 1 copies. Members on slow uplinks (a home volunteer among datacenter nodes) are the trees' leaves,
+  and a slow author uploads one copy: they never relay, and their own upload is paid once.
 
-Pure functions of the group's view: every member builds the same subset and the same trees.
+Pure functions of the group's view: every member builds the same subset, and the same trees as far as the records
+it read agree.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from hetero_node.protocol.outer_specs import outer_spec
 from hetero_node.protocol.run_config import OuterConfig
 
 FANOUT = 2
 """Children per member in a message's relay tree: what each member uploads per selected message."""
+SLOW_UPLINK_SHARE = 0.25
+"""A member whose advertised upload is below this share of the group's median is a leaf of every relay tree."""
 
 
 def contributor_limit(outer: OuterConfig) -> int:
@@ -59,14 +63,33 @@ def selected_contributors(names: Sequence[str], limit: int, seed: str) -> list[s
     return sorted(sorted(names, key=ticket)[:limit])
 
 
-def relay_parent(members: Sequence[str], author: str, me: str) -> str:
+def slow_uplinks(uplinks: Mapping[str, float], members: Sequence[str]) -> frozenset[str]:
+    """The members whose advertised upload is below `SLOW_UPLINK_SHARE` of the members' median (a home volunteer
+    beside datacenter nodes): leaves of every relay tree, never relays. Members without a known figure are not slow;
+    members that read other figures build other trees, which costs time, never correctness (a parent that does not
+    relay a message still fetches it for itself, and a child that waits too long asks the author)."""
+    known = sorted(uplinks[m] for m in members if m in uplinks)
+    if not known:
+        return frozenset()
+    median = known[len(known) // 2]
+    return frozenset(m for m in members if m in uplinks and uplinks[m] < SLOW_UPLINK_SHARE * median)
+
+
+def relay_parent(members: Sequence[str], author: str, me: str, slow: Collection[str] = ()) -> str:
     """The member `me` fetches `author`'s message from: its parent in a FANOUT-ary tree over the members in
-    canonical order, rotated so the author is the root (a different tree per author spreads the upload)."""
+    canonical order, rotated so the author is the root (a different tree per author spreads the upload). `slow`
+    members (`slow_uplinks`) go last, so they are leaves while they are at most about half the group; a slow author
+    uploads one copy, to the first other member, which heads the tree of the rest (on the netlab a 5 Mbit/s member
+    relaying beside 1 Gbit/s ones lengthened their fetches sevenfold)."""
     ordered = sorted(members)
     if author not in ordered or me not in ordered:
         raise ValueError("the author and the fetching member must both be in the group")
     start = ordered.index(author)
-    position = (ordered.index(me) - start) % len(ordered)
+    others = ordered[start + 1 :] + ordered[:start]
+    tree = [author, *(m for m in others if m not in slow), *(m for m in others if m in slow)]
+    position = tree.index(me)
     if position == 0:
         raise ValueError("the author does not fetch its own message")
-    return ordered[(start + (position - 1) // FANOUT) % len(ordered)]
+    if author in slow and position > 1:
+        return tree[1 + (position - 2) // FANOUT]
+    return tree[(position - 1) // FANOUT]

@@ -16,6 +16,7 @@ from hetero_node.protocol.flat_exchange import (
     relay_parent,
     selected_contributors,
     selection_seed,
+    slow_uplinks,
 )
 from hetero_node.protocol.outer_methods import SparseLoCoMethod
 from hetero_node.protocol.run_config import OuterConfig
@@ -66,6 +67,33 @@ def test_each_relay_tree_reaches_every_member_in_log_hops_with_bounded_uploads(s
         relay_parent(members, members[0], members[0])
     with pytest.raises(ValueError):
         relay_parent(members, members[0], "not-a-member")
+
+
+@pytest.mark.parametrize(("size", "slow_count"), [(3, 1), (4, 1), (5, 2), (8, 3), (16, 7), (33, 5)])
+def test_slow_uplinks_are_leaves_and_a_slow_author_uploads_one_copy(size: int, slow_count: int) -> None:
+    members = NAMES[:size] if size <= len(NAMES) else [f"peer-{i:05d}" for i in range(size)]
+    uplinks = {m: 1000.0 for m in members} | {m: 5.0 for m in members[1::2][:slow_count]}
+    uplinks.pop(members[0])  # a member whose record we did not read: not slow
+    slow = slow_uplinks(uplinks, members)
+    assert slow == {m for m in members if uplinks.get(m) == 5.0} and len(slow) == slow_count
+    for author in members:
+        children: Counter[str] = Counter()
+        for me in members:
+            if me == author:
+                continue
+            node, hops = me, 0
+            while node != author:  # every member is still reached, in a few hops more at most
+                node, hops = relay_parent(members, author, node, slow), hops + 1
+                assert hops <= math.floor(math.log2(size)) + 1
+            children[relay_parent(members, author, me, slow)] += 1
+        assert max(children.values()) <= FANOUT
+        assert not (set(children) - {author}) & slow  # no slow member relays (they are at most half the group)
+        if author in slow:
+            assert children[author] == 1  # a slow author uploads its message once
+    fast = {m: 1000.0 for m in members}
+    assert slow_uplinks(fast, members) == set() and slow_uplinks({}, members) == set()
+    assert all(relay_parent(members, a, m, ()) == relay_parent(members, a, m) for a in members for m in members
+               if m != a)  # fmt: skip
 
 
 SHAPES = [(64, 48), (300,)]

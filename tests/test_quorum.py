@@ -338,3 +338,43 @@ def test_members_wait_for_a_late_base_members_seal_instead_of_voiding_a_round_it
             voided = [job.result() for job in late]
         assert all(o.new_tensors is None and o.uncertified for o in voided), voided
         assert time.monotonic() - started < timeouts.round_timeout_s
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(180)
+def test_members_decide_without_waiting_for_a_seal_the_decision_does_not_need() -> None:
+    """A member on a far link seals a second or more after the others (its statement store and its read of theirs
+    each cross its round trip), and the others waited for every member their seal lists: 0.9 s more per round on the
+    netlab's slow-link run. Once the seals in decide the round (more than half of the base sealed, every listed
+    statement in or out) the set is the same whichever seals decided it, so they go on, and the late member decides
+    the same set from the same seals plus its own."""
+    from hivemind.utils import get_dht_time
+
+    with swarm(4) as runtimes:
+        stop = threading.Event()
+        timeouts = SyncTimeouts(matchmaking_s=30.0, round_timeout_s=30.0)
+        syncs = [ShardSync(r, run_config(), 0, SHAPES, timeouts, stop) for r in runtimes]
+        start = [torch.full(s, 0.25) for s in SHAPES]
+        round0 = contribute(syncs, 0, start, seed=0)
+        theta = round0[0].new_tensors
+        assert theta is not None and all(s.certificate is not None for s in syncs)
+        names, finished_at, late_seal_at = [s.me for s in syncs], {}, []
+        for runtime in runtimes:  # member 3 is on a slow uplink: a leaf of every relay tree, as its record would say
+            runtime.uplinks = {name: 5.0 if i == 3 else 1000.0 for i, name in enumerate(names)}
+
+        def member(i: int) -> ShardOutcome:
+            delta = [1e-2 * torch.randn(s, generator=torch.Generator().manual_seed(10 + i)) for s in SHAPES]
+            pending = syncs[i].contribution(1, theta, fingerprint(theta), delta, 64)
+            syncs[i].begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 1.0)
+            if i == 3:  # stated with the others; seals 8 s after them
+                time.sleep(8.0)
+                late_seal_at.append(time.monotonic())
+            outcome = syncs[i].finish(pending, lambda: False, lambda: None)
+            finished_at[i] = time.monotonic()
+            return outcome
+
+        with ThreadPoolExecutor(4) as pool:
+            outcomes = [job.result() for job in [pool.submit(member, i) for i in range(4)]]
+        assert all(o.new_tensors is not None and o.contributors == 4 for o in outcomes), outcomes
+        assert len({fingerprint(o.new_tensors) for o in outcomes}) == 1  # type: ignore[arg-type]
+        assert all(finished_at[i] < late_seal_at[0] for i in range(3)), "the others waited for the late seal"

@@ -81,6 +81,7 @@ def test_four_replicas_aggregate_three_messages_a_round_through_relay_trees_past
     assert grouped, "the four never formed one group"
     assert any(rec["deferred"] for rec in grouped) and any(rec["contributed"] for rec in grouped)
     assert any(rec["messages_relayed"] > 0 for rec in grouped), "no message went through a relay parent"
+    assert any(rec["messages_prefetched"] > 0 for rec in grouped), "no message was fetched while the round sealed"
     caught = [  # per honest replica, the rounds in which it caught r3 lying (both shards may fetch at once)
         set(re.findall(r"round (\d+): relay \S+ served bytes that do not match", (tmp_path / f"r{i}.log").read_text()))
         for i in range(3)

@@ -128,20 +128,28 @@ class RosterRound:
             self.stop.wait(min(POLL_S, max(0.0, close())))
         return None
 
-    def await_seals(self, ours: Seal, wait_s: float) -> list[Seal]:
-        """The round's seals once everyone our seal lists has sealed, or those in after `wait_s`; ours always."""
+    def await_seals(self, ours: Seal, wait_s: float, enough: Callable[[list[Seal]], bool] | None = None) -> list[Seal]:
+        """The round's seals once everyone our seal lists has sealed, or once they are `enough` to decide the round
+        (a member on a far link seals a second after the others, and the decided set does not depend on its seal),
+        or those in after `wait_s`; ours always."""
         give_up = time.monotonic() + wait_s
         expected = {e.author for e in ours.entries}
         seals: dict[str, Seal] = {}
+
+        def gathered() -> list[Seal]:
+            return [*(s for name, s in seals.items() if name != ours.sealer), ours]
+
         while not self.stop.is_set():
             seals = self.seals() or seals
             if expected <= set(seals) | {ours.sealer} or time.monotonic() >= give_up:
                 break
+            if enough is not None and enough(gathered()):
+                return gathered()
             self.stop.wait(POLL_S)
         missing = sorted(expected - set(seals) - {ours.sealer})
         if missing:
             logger.info("shard %d round %d: no seal from %s", self.shard, self.round, ", ".join(missing))
-        return [*(s for name, s in seals.items() if name != ours.sealer), ours]
+        return gathered()
 
     def decide(
         self,

@@ -38,6 +38,7 @@ peer to peer, so replicas never agreed.)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import threading
@@ -56,10 +57,16 @@ from hetero_node.client.outer.roster_round import RosterRound, round_certificate
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.errors import PayloadError
-from hetero_node.protocol.flat_exchange import contributor_limit, relay_parent, selected_contributors, selection_seed
+from hetero_node.protocol.flat_exchange import (
+    contributor_limit,
+    relay_parent,
+    selected_contributors,
+    selection_seed,
+    slow_uplinks,
+)
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.quorum import Certificate, certifies, quorum_base
-from hetero_node.protocol.roster import Entry, Seal
+from hetero_node.protocol.roster import Entry, Seal, decided
 from hetero_node.protocol.round_wire import MANIFEST, PAYLOAD, GroupMeta, digest, encode_manifest, message_kind
 from hetero_node.protocol.run_config import RunConfig
 from hetero_node.protocol.swarm_key import member_proof
@@ -92,10 +99,12 @@ class Received(NamedTuple):
 
 
 class Fetched(NamedTuple):
-    """A message's verified bytes, and whether they came from a relay parent rather than their author."""
+    """A message's verified bytes, whether they came from a relay parent rather than their author, and whether their
+    download started before the round's set was sealed (`ShardSync._prefetch`)."""
 
     data: bytes
     relayed: bool
+    early: bool = False
 
 
 @dataclass
@@ -104,6 +113,7 @@ class Traffic:
 
     received: int = 0
     relayed: int = 0
+    prefetched: int = 0
 
 
 class Member(NamedTuple):
@@ -152,6 +162,8 @@ class ShardOutcome:
     """This member brought a valid message the round did not select (`--max-contributors`): its Δ stays owed."""
     messages_relayed: int = 0
     """Messages it got from a relay parent rather than from their author."""
+    messages_prefetched: int = 0
+    """Messages whose download from their author started while the round was being sealed."""
     phases_s: dict[str, float] = field(default_factory=dict)
     """Seconds this shard's round spent agreeing on its set, fetching and in the outer step (`RoundRecord.phases_s`)."""
     uncertified: bool = False
@@ -215,6 +227,9 @@ class ShardSync:
         that vote. It comes back after rebuilding a round others certified late: it had voided that round and sealed
         the next ones from the voided θ; sealing them again let two members each certify rounds the other had
         voided, and in CI the two chased each other to the end of the run."""
+        self.prefetched: dict[tuple[int, str], concurrent.futures.Future[tuple[int, bytes]]] = {}
+        """Messages whose download started while the round was still being sealed, by (round, digest): the first
+        hop of a relay tree, from an author on a slow link, need not wait for the seals (`_prefetch`)."""
         self.follows = False
         """Our θ came from a state whose round's certificate neither the DHT nor a manifest told us: our base may not
         be the deciders', so we state and seal but take each round's result from the members that decide it, until
@@ -348,6 +363,7 @@ class ShardSync:
             )  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(statements))
         entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
+        self._prefetch(pending, majority, entries)
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
         earlier = self._earlier_vote(pending.round, roster)
@@ -366,7 +382,9 @@ class ShardSync:
             logger.info("shard %d round %d: sealed; taking the result from the members that decide it (our quorum "
                         "base is not known yet)", self.shard, pending.round)  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(entries), deferred=owed)
-        seals = roster.await_seals(ours, self.timeouts.matchmaking_s)
+        # with a certificate's base the decided set is the same whichever seals decide it (`protocol/roster.py`)
+        decides = (lambda seals: decided(seals, majority, pending.base) is not None) if pending.certified_base else None
+        seals = roster.await_seals(ours, self.timeouts.matchmaking_s, decides)
         won = roster.decide(ours, seals, pending.base, self.timeouts.matchmaking_s, pending.certified_base, may_seal,
                             self.timeouts.round_timeout_s)  # fmt: skip
         if won is None:
@@ -385,6 +403,30 @@ class ShardSync:
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
+
+    def _prefetch(self, pending: PendingRound, start_fp: str, entries: list[Entry]) -> None:
+        """Start downloading, in the background, each message we would fetch from its author once the round's set
+        is sealed: those the statements' set selects whose relay tree makes us the author's child. Sealing takes
+        a few DHT round trips; a message from a home link takes longer than that, and every member below us in its
+        tree waits for it (on the netlab a 5 Mbit/s member lengthened the others' rounds by 7%). We have stated our
+        own message (its digest is committed) before we ask for anyone's. The bytes count only once the sealed set
+        names the same digest (`_fetch_message` checks them as any fetch)."""
+        self.prefetched = {key: f for key, f in self.prefetched.items() if key[0] >= pending.round}
+        if not self.small_messages or pending.meta.digest == "":
+            return
+        names = [e.author for e in entries if e.size > 0]
+        seed = selection_seed(self.run.run_id, self.shard, pending.round, start_fp)
+        chosen = set(selected_contributors(names, contributor_limit(self.run.outer), seed))
+        members = [e.author for e in entries]
+        slow = slow_uplinks(self.runtime.uplinks, members)
+        for entry in entries:
+            key = (pending.round, entry.digest)
+            if entry.author not in chosen or entry.author == self.me or key in self.prefetched:
+                continue
+            if relay_parent(members, entry.author, self.me, slow) == entry.author:
+                member = self._member(entry, pending.round, start_fp)
+                fetch = self.runtime.fetch_with_retries(member.peer_id, PAYLOAD, self.shard, pending.round, entry.size)
+                self.prefetched[key] = asyncio.run_coroutine_threadsafe(fetch, self.runtime.loop)
 
     def _remember(self, seal: Seal) -> None:
         """A seal is a vote, cast once: a member that comes back to its round keeps it (`_earlier_vote`)."""
@@ -465,9 +507,8 @@ class ShardSync:
         deferred = pending.payload is not None and self.me not in chosen
         self._keep_applied(pending, used, pending.payload if deferred else None)
         phases = {"fetch": outer_started - fetch_started, "outer": time.perf_counter() - outer_started}
-        return ShardOutcome(
-            new, group_size, len(used), contributed, dropped, traffic.received, deferred, traffic.relayed, phases
-        )
+        return ShardOutcome(new, group_size, len(used), contributed, dropped, traffic.received, deferred,
+                            traffic.relayed, phases_s=phases, messages_prefetched=traffic.prefetched)  # fmt: skip
 
     def _collect_messages(
         self, pending: PendingRound, selected: list[Member], members: dict[str, Any]
@@ -508,6 +549,7 @@ class ShardSync:
             if name != self.me:
                 traffic.received += len(data)
                 traffic.relayed += got.relayed
+                traffic.prefetched += got.early
             try:
                 messages.append(Received(name, self.method.decode(data), meta.tokens, meta.digest))
             except PayloadError as e:
@@ -552,21 +594,36 @@ class ShardSync:
         not the author; the author itself is the fallback."""
         meta = author.meta
         data = await self._fetch_from_parent(round_, author, members) if self.small_messages else None
-        relayed = data is not None
-        if data is None:
-            _, data = await self.runtime.fetch_with_retries(author.peer_id, PAYLOAD, self.shard, round_, meta.size)
+        relayed, early = data is not None, False
+        if data is None:  # from the author: the bytes we started fetching while the round was sealed, else now
+            data = await self._prefetched_copy(round_, author)
+            early = data is not None
+            if data is None:
+                _, data = await self.runtime.fetch_with_retries(author.peer_id, PAYLOAD, self.shard, round_, meta.size)
             if len(data) != meta.size or digest(data) != meta.digest:
                 raise PayloadError("payload does not match the size/digest it announced")
         if self.small_messages:
             self.runtime.publish(message_kind(meta.digest), self.shard, round_, data)
-        return Fetched(data, relayed)
+        return Fetched(data, relayed, early)
+
+    async def _prefetched_copy(self, round_: int, author: Member) -> bytes | None:
+        """The bytes `_prefetch` started downloading from `author`; None when it did not, or the download failed."""
+        early = self.prefetched.get((round_, author.meta.digest))
+        if early is None:
+            return None
+        try:
+            _, data = await asyncio.wrap_future(early)
+        except Exception as e:  # transport errors come in many types: the author is asked again, as without it
+            logger.info("shard %d round %d: prefetching %s's message failed (%r)", self.shard, round_, author.name, e)
+            return None
+        return data
 
     async def _fetch_from_parent(self, round_: int, author: Member, members: dict[str, Any]) -> bytes | None:
         """`author`'s message from our parent in its relay tree; None when the parent is the author, is known to
         lie, or fails (then the author is asked)."""
         if self.me not in members or author.name not in members:
             return None
-        parent = relay_parent(list(members), author.name, self.me)
+        parent = relay_parent(list(members), author.name, self.me, slow_uplinks(self.runtime.uplinks, list(members)))
         if parent == author.name or parent in self.runtime.lying_relays:
             return None
         try:

@@ -44,6 +44,8 @@ class RoundRecord:
     feedback for a later round (not a resync)."""
     messages_relayed: int = 0
     """Round messages it downloaded from a relay parent (a member that verified them first) instead of their author."""
+    messages_prefetched: int = 0
+    """Round messages whose download from their author started while the round's set was still being sealed."""
     dense_allreduce_bytes: int = 0
     """What a dense fp32 butterfly all-reduce of the same weights would send per peer in this group."""
     boundary_bytes_sent: int = 0

@@ -119,6 +119,7 @@ def round_record(
         resynced=trained is not None and not contributed and group != 1 and not deferred,
         deferred=deferred,
         messages_relayed=sum(o.messages_relayed for o in outcomes),
+        messages_prefetched=sum(o.messages_prefetched for o in outcomes),
         dense_allreduce_bytes=int(2 * 4 * n_params * (group - 1) / group) if group > 1 else 0,
         contributed=contributed,
         sat_out=flight is not None and trained is None,

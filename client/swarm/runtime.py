@@ -197,6 +197,11 @@ class PeerRuntime:
         self._members: set[str] = set()
         """Peer ids whose records were in our last read: who may fetch blobs in a private swarm."""
         self._members_read = 0.0
+        self.store_s = 0.0
+        """How long our signed DHT stores (statements, seals) take to land: a node on a far link stops training this
+        much before a round's deadline, so its statement is in when the others' are (`RoundPlan.lead_s`)."""
+        self.uplinks: dict[str, float] = {}
+        """Each peer's advertised upload (Mbit/s) in our last read of the records: who relays round messages."""
         self.work = WorkLedger()
         """Whom this node has seen first, working or answering (`work_ledger.py`): what its votes count."""
         self.run_id: str | None = None
@@ -449,6 +454,7 @@ class PeerRuntime:
         timed = read_peer_records(self.dht, self.run_id, self.swarm_key, timeout, self.work, me, self._dht_lock)
         if timed is not None:
             self._members, self._members_read = set(timed), time.monotonic()
+            self.uplinks = {pid: record.upload_mbps for pid, (record, _) in timed.items()}
             self.dialer.note({pid: record for pid, (record, _) in timed.items()})
         return timed
 
@@ -527,11 +533,17 @@ class PeerRuntime:
         one author holds one value there (a later store replaces it)."""
         from hivemind.utils import get_dht_time
 
+        started = time.monotonic()
         with self._dht_lock:
-            self.dht.store(
+            stored = self.dht.store(
                 key, subkey=self.signer.local_public_key, value=value,
                 expiration_time=get_dht_time() + lifetime_s, return_future=True,
             )  # fmt: skip
+        stored.add_done_callback(lambda _future: self._time_store(time.monotonic() - started))
+
+    def _time_store(self, seconds: float) -> None:
+        """Fold one signed store's duration into `store_s`: a larger figure at once, a smaller one by halves."""
+        self.store_s = seconds if seconds > self.store_s else (self.store_s + seconds) / 2
 
     def read_signed(self, key: str, timeout: float) -> dict[str, Any] | None:
         """The values stored under `key` by `store_signed`, by the peer id of the key that signed each; None when
