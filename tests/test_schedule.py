@@ -86,6 +86,18 @@ def test_steps_fit_between_the_minimum_and_the_deadline() -> None:
     assert mine.plan(4, records, ME, now=1023.0, waited_s=20.0).sit_out  # 1023 + 2 > 1004.5 + 20
 
 
+def test_a_replica_whose_stores_take_long_stops_that_much_before_the_deadline_at_most_a_tenth_of_the_round() -> None:
+    """A home volunteer 150 ms from the others took a second to store its statement, and every member waited for
+    it at the round's ready barrier; it now stops training that much earlier, within a tenth of L."""
+    mine = clock()
+    mine.record_speed(steps=1, seconds=1.0)  # L = 10 steps of 1 s
+    records = dict([replica("a", deadline=1010.0, step_s=1.0)])
+    near, far = mine.plan(4, records, ME, now=1000.0), mine.plan(4, records, ME, now=1000.0, store_s=0.8)
+    assert (near.lead_s, far.lead_s) == (0.0, 0.8) and near.deadline == far.deadline == 1010.0  # ours, not theirs
+    assert near.keep_training(5, 1008.5, 1.0) and not far.keep_training(5, 1008.5, 1.0)  # 1009.5 > 1010 − 0.8
+    assert mine.plan(4, records, ME, now=1000.0, store_s=30.0).lead_s == pytest.approx(1.0)  # a tenth of L
+
+
 def test_the_grace_covers_the_slowest_replica_coming_to_the_round() -> None:
     records = dict([replica("a", step_s=0.5), replica("slow", step_s=4.0), replica("gone", train_round=-1, step_s=9.0)])
     plan = clock().plan(4, records, ME, now=1000.0)

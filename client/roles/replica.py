@@ -335,7 +335,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         # loaded a void round's state 6 s into a 2 s round, sat it out, and the survivor waited 20 s for it; then the
         # other way round, every round to the end)
         waited = self.timeouts.round_timeout_s if all(s.certificate is None for s in self.syncs.values()) else 0.0
-        plan = self.clock.plan(t, self.records(), self.me, get_dht_time(), waited)
+        plan = self.clock.plan(t, self.records(), self.me, get_dht_time(), waited, self.runtime.store_s)
         self.announce(
             train_round=t,
             deadline=plan.deadline or 0.0,

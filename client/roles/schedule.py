@@ -54,6 +54,8 @@ MAX_STRETCH = 30.0
 """The overhead stretches a round to at most this many times H steps: a round's waits grow with its length (the
 grace is a fraction of L), so a swarm that waits each round for a member who never comes must not feed that wait
 back into L without bound."""
+MAX_LEAD = 0.1
+"""A replica stops at most this share of L early for its statement's sake (`RoundPlan.lead_s`)."""
 MIN_ROUND_FRACTION = 0.25
 """A replica that starts a round late still gets at least this fraction of L for its own proposal."""
 
@@ -78,6 +80,9 @@ class RoundPlan:
     """Too little time left for min_steps: receive the round's result without training."""
     accumulation: int = 1
     """Batches whose gradients one inner step accumulates (a stretched round's steps are bigger, not more)."""
+    lead_s: float = 0.0
+    """Seconds before the deadline this replica stops: how long its statement takes to reach the DHT (`MAX_LEAD`
+    of L at most). A member on a far link pays its own round trips instead of every member waiting for them."""
 
     def keep_training(self, steps: int, now: float, step_s: float) -> bool:
         """Whether to start another inner step after `steps` of them, at DHT time `now`; `step_s` is the time of one
@@ -88,7 +93,7 @@ class RoundPlan:
             return True
         if self.deadline is None or step_s <= 0:
             return steps < self.reference_steps
-        return now + step_s * self.accumulation <= self.deadline
+        return now + step_s * self.accumulation <= self.deadline - self.lead_s
 
     def with_deadline(self, deadline: float) -> RoundPlan:
         return dataclasses.replace(self, deadline=deadline)
@@ -202,11 +207,17 @@ class RoundClock:
         return max(self.matchmaking_s, self.straggler_fraction * (length_s or 0.0), 1.5 * slowest * accumulation)
 
     def plan(
-        self, round_: int, records: dict[str, PeerRecord], me: str, now: float, waited_s: float = 0.0
+        self,
+        round_: int,
+        records: dict[str, PeerRecord],
+        me: str,
+        now: float,
+        waited_s: float = 0.0,
+        store_s: float = 0.0,
     ) -> RoundPlan:
         """The plan for `round_` given the live records (ours included or not) at DHT time `now`; `waited_s`: how
         long past the deadline the round's members wait for our statement (we sit the round out only if even that
-        is too soon for its minimum steps)."""
+        is too soon for its minimum steps); `store_s`: how long our DHT stores take to land (`RoundPlan.lead_s`)."""
         length = self.round_length(records)
         deadline = None
         if length is not None:
@@ -221,8 +232,9 @@ class RoundClock:
         sit_out = deadline is not None and step_s > 0 and now + min_steps * step_s > deadline + max(grace, waited_s)
         if deadline is not None:
             self._last = (round_, deadline)
+        lead = min(store_s, MAX_LEAD * length) if length else 0.0
         return RoundPlan(
-            round_, deadline, length, grace, min_steps, max_steps, self.outer.inner_steps, sit_out, accumulation
+            round_, deadline, length, grace, min_steps, max_steps, self.outer.inner_steps, sit_out, accumulation, lead
         )  # fmt: skip
 
     def earliest(
