@@ -140,6 +140,13 @@ class NodeConfig:
     remeasure_bandwidth: bool = field(
         default=False, metadata={"help": "Measure bandwidth again instead of using this host's cached figure."}
     )
+    dht_client_below_mbps: float = field(
+        default=20.0,
+        metadata={
+            "help": "Join the DHT as a client (store and read, serve no DHT requests) when this node's upload "
+            "(--bandwidth-mbps, or this host's last measurement) is below this many Mbit/s; 0: always serve."
+        },
+    )
     linger_s: float = field(default=3.0, metadata={"help": "Keep serving this long after the last round."})
     min_peers: int = field(
         default=1, metadata={"help": "Before the first round, wait (up to 5 min) until this many replicas are online."}
@@ -155,6 +162,8 @@ class NodeConfig:
             value = getattr(self, name)
             if value is not None and not (0 < value < 1e6):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+        if not self.dht_client_below_mbps >= 0:
+            raise ConfigError(f"--dht-client-below-mbps must be ≥ 0, got {self.dht_client_below_mbps}")
         if not (0 <= self.step_delay_s < 3600):
             raise ConfigError(f"--step-delay-s must be in [0, 3600), got {self.step_delay_s}")
         require_ports(self, "port", "metrics_port")

@@ -57,3 +57,31 @@ def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> N
     print(f"50 Mbit/s tbf link: measured {up} Mbit/s up, {down} Mbit/s down")  # shown with pytest -s
     assert 35 <= up <= 65, f"measured upload {up} Mbit/s on a 50 Mbit/s link"
     assert 35 <= down <= 65, f"measured download {down} Mbit/s on a 50 Mbit/s link"
+
+
+def test_a_node_on_a_slow_uplink_joins_the_dht_as_a_client_by_its_flag_or_its_last_measurement(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    from hetero_node.client.node.bandwidth import cached_upload_mbps, joins_as_dht_client
+
+    peers = ["/ip4/203.0.113.7/tcp/31337/p2p/QmBootstrap", "/ip4/203.0.113.8/tcp/31337/p2p/QmOther"]
+    cache = tmp_path / "bandwidth.json"
+    assert cached_upload_mbps(cache, peers) is None  # never measured: no figure, so a server
+    assert not joins_as_dht_client(None, 20.0, cache, peers)
+    host, now = socket.gethostname(), time.time()
+    cache.write_text(json.dumps({
+        f"{host}|10.0.0.2|QmBootstrap": {"upload_mbps": 40.0, "download_mbps": 90.0, "at": now - 3600},
+        f"{host}|10.0.0.9|QmBootstrap": {"upload_mbps": 5.0, "download_mbps": 9.0, "at": now - 60},  # the latest
+        f"{host}|10.0.0.2|QmSomeoneElse": {"upload_mbps": 1.0, "at": now},  # not one of our peers
+        "another-host|10.0.0.2|QmOther": {"upload_mbps": 2.0, "at": now},  # not this host
+        f"{host}|10.0.0.2|QmOther": {"upload_mbps": "fast", "at": now},  # garbage: skipped, no crash
+    }))  # fmt: skip
+    assert cached_upload_mbps(cache, peers) == 5.0
+    assert joins_as_dht_client(None, 20.0, cache, peers)
+    assert not joins_as_dht_client(100.0, 20.0, cache, peers)  # --bandwidth-mbps wins over the cache
+    assert joins_as_dht_client(5.0, 20.0, tmp_path / "none.json", peers)
+    assert not joins_as_dht_client(5.0, 0.0, cache, peers)  # 0: always a server
+    cache.write_text("[1, 2")  # a corrupt cache is no figure
+    assert cached_upload_mbps(cache, peers) is None

@@ -123,3 +123,32 @@ def node_bandwidth(
         return measured
     logger.warning("could not measure bandwidth (no initial peer serves probes); pass --bandwidth-mbps")
     return Bandwidth(0.0, 0.0, "unknown")
+
+
+def cached_upload_mbps(cache_file: Path, initial_peers: list[str]) -> float | None:
+    """This host's last fresh measurement of its upload to one of `initial_peers`: all a node knows of its link
+    before it joins the DHT (the cache's keys name the addresses of a run that may have had others)."""
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return None
+    targets = {peer.rsplit("/p2p/", 1)[-1] for peer in initial_peers}
+    found = [
+        entry
+        for key, entry in (cache.items() if isinstance(cache, dict) else [])
+        if key.split("|")[0] == socket.gethostname() and key.split("|")[-1] in targets and isinstance(entry, dict)
+        and all(isinstance(entry.get(k), (int, float)) for k in ("upload_mbps", "at"))
+        and time.time() - entry["at"] < CACHE_MAX_AGE_S
+    ]  # fmt: skip
+    return float(max(found, key=lambda e: e["at"])["upload_mbps"]) if found else None
+
+
+def joins_as_dht_client(override_mbps: float | None, below_mbps: float, cache_file: Path, peers: list[str]) -> bool:
+    """Whether a node on a slow uplink (below `below_mbps`: --bandwidth-mbps, else this host's last measurement)
+    joins the DHT as a client. A DHT server answers everyone's stores and reads of the keys nearest it, and every
+    member's round waits on them: on the netlab a server 150 ms away on 5 Mbit/s lengthened the others' rounds by
+    0.8 s; as a client it still stores and reads (its records, statements and seals) and serves its blobs."""
+    if below_mbps <= 0:
+        return False
+    upload = override_mbps if override_mbps is not None else cached_upload_mbps(cache_file, peers)
+    return upload is not None and upload < below_mbps

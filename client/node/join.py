@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from hetero_node.client.local.devices import resolve_devices
 from hetero_node.client.monitor.health import Health
 from hetero_node.client.monitor.http_server import MonitorServer
 from hetero_node.client.monitor.node_metrics import NodeMetrics
-from hetero_node.client.node.bandwidth import node_bandwidth
+from hetero_node.client.node.bandwidth import joins_as_dht_client, node_bandwidth
 from hetero_node.client.node.capabilities import measure_throughput, probe_hardware
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.leaving import leave_on_signals
@@ -51,6 +52,11 @@ IDENTITY_NAME = "identity"
 its own record (and pipeline slot) is not mistaken for another peer's that still holds the slot it checkpointed."""
 
 
+def bandwidth_cache() -> Path:
+    """This host's measured links, by target (`client/node/bandwidth.py`)."""
+    return default_cache_dir() / "bandwidth.json"
+
+
 def _initial_record(
     runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int,
     devices: list[torch.device],
@@ -58,9 +64,7 @@ def _initial_record(
     """Measure this node (on `devices`, its local ranks' devices) and describe it as a PeerRecord (role still
     "joining")."""
     hardware = probe_hardware(devices[0], node.memory_gb)  # each local rank holds the whole model
-    bandwidth = node_bandwidth(
-        runtime, node.bandwidth_mbps, default_cache_dir() / "bandwidth.json", node.remeasure_bandwidth
-    )
+    bandwidth = node_bandwidth(runtime, node.bandwidth_mbps, bandwidth_cache(), node.remeasure_bandwidth)
     fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
     throughput, step_s = 0.0, 0.0
     if fits and requested_role != REQUEST_STAGE:
@@ -174,8 +178,13 @@ def run_node(
     swarm_key = load_swarm_key(node.swarm_key)
     identity = node.identity or (node.checkpoint_dir / IDENTITY_NAME if node.checkpoint_dir is not None else None)
     known_key = identity is not None and identity.exists()  # a key made now is nobody else's
+    dht_client = joins_as_dht_client(node.bandwidth_mbps, node.dht_client_below_mbps, bandwidth_cache(), node.peers)
+    if dht_client:
+        logger.info("a slow uplink: joining the DHT as a client (--dht-client-below-mbps)")
     runtime = reachable_runtime(
-        lambda relays: PeerRuntime(node.peers, node.host, node.port, identity, swarm_key=swarm_key, relays=relays),
+        lambda relays: PeerRuntime(
+            node.peers, node.host, node.port, identity, client_mode=dht_client, swarm_key=swarm_key, relays=relays
+        ),
         node.reachability,
         node.peers,
     )
