@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-soak bench-nat bench-local-ranks sim clean
+.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-soak bench-nat bench-local-ranks sim clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -114,6 +114,11 @@ bench-long: venv data
 bench-long-wan: venv data
 	$(BIN)/hetero-node-lab bench --topology hetero-tiny-wan --preset tiny --rounds 6 --swarm-rounds 30 --inner-steps 20 \
 		--batch-size 8 --seq-len 64 --lr 3e-3 --out bench/results/hetero-long-wan
+
+# A home volunteer on a 5 Mbit/s, 150 ms link beside three datacenter replicas, against the same swarm with it on a
+# datacenter link: its contribution share and the others' round lengths (bench/slow_link.py; about 8 min; root).
+bench-slow-link: venv data
+	$(BIN)/hetero-node-lab slow-link --out bench/results/slow-link
 
 # The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 30 s).
 bench-plan: venv

@@ -23,6 +23,7 @@ from hetero_node.bench.config import (
     PoisonConfig,
     RoundModesConfig,
     SimConfig,
+    SlowLinkConfig,
     SoakConfig,
     SwarmFuzzConfig,
     SybilConfig,
@@ -182,6 +183,16 @@ def bench_rounds(cfg: RoundModesConfig) -> None:
     with err_console.status("running the round modes (one local swarm per mode and seed)"):
         report = run_round_modes(cfg)
     print_plain(render_markdown(report))
+
+
+@lab.command("slow-link")
+@expand_dataclass_options
+def bench_slow_link(cfg: SlowLinkConfig) -> None:
+    """A home volunteer on a 5 Mbit/s, 150 ms link beside three datacenter replicas, against the same swarm with it on
+    a datacenter link (needs root): its contribution share and the others' round lengths; report.json and .md."""
+    from hetero_node.bench.slow_link import render_markdown, run_slow_link
+
+    run_with_progress(run_slow_link, render_markdown, cfg)
 
 
 @lab.command("local-ranks")

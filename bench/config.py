@@ -30,7 +30,8 @@ class BenchConfig:
     topology: Path = field(
         default=Path("hetero"),
         metadata={
-            "help": "Topology TOML file, or a bundled one: hetero, hetero-tiny, mixed-speed, edge-only, uniform."
+            "help": "Topology TOML file, or a bundled one (bench/topologies/): hetero, hetero-tiny, mixed-speed, "
+            "edge-only, uniform, ..."
         },
     )
     methods: str = field(
@@ -185,6 +186,23 @@ class RoundModesConfig:
     @property
     def mode_list(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.modes.split(",") if m.strip())
+
+
+@dataclass(frozen=True)
+class SlowLinkConfig:
+    """The slow-link scenario (`bench/slow_link.py`): two netlab runs of the same swarm; about 10 minutes."""
+
+    preset: str = field(default="small", metadata={"help": "Model preset."})
+    rounds: int = field(default=8, metadata={"help": "Outer rounds per run."})
+    inner_steps: int = field(default=10, metadata={"help": "H."})
+    round_s: float = field(default=20.0, metadata={"help": "Round length in seconds (0: H steps of the fastest)."})
+    overlap: bool = field(default=False, metadata={"help": "Full replicas overlap each round's exchange."})
+    out: Path = field(default=Path("bench/results/slow-link"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "rounds", "inner_steps")
+        if not self.round_s >= 0:
+            raise ConfigError(f"--round-s must be ≥ 0, got {self.round_s}")
 
 
 BYZANTINE_ATTACKS = ("scale", "sign-flip", "heavy-flip", "fixed-top", "concentrate", "zero", "collude")

@@ -111,10 +111,14 @@ async def relay(source: asyncio.StreamReader, sink: asyncio.StreamWriter, delay:
             await sink.drain()
 
     tasks = [asyncio.ensure_future(read()), asyncio.ensure_future(deliver())]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for task in pending:
-        task.cancel()
-    if any(task.exception() is not None for task in done):
+    for task in tasks:  # a reset is how a connection ends, not an error to log ("exception was never retrieved")
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:  # also when the connection's other direction failed and cancelled us
+        for task in tasks:
+            task.cancel()
+    if any(not task.cancelled() and task.exception() is not None for task in done):
         sink.close()
 
 

@@ -7,6 +7,7 @@ that a run, failed or not, leaves no namespace behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -62,6 +63,13 @@ def test_bundled_topologies_load_with_their_edge_nodes() -> None:
         "dc0": 0.5, "dc1": 0.5, "slow0": 0.17, "edge0": 0.3, "edge1": 0.3,
     }  # fmt: skip
     assert mixed.edge_nodes == ("edge0", "edge1") and [n.role for n in mixed.nodes][2] == "full"
+    slow, base = load_topology(Path("slow-link")), load_topology(Path("slow-link-base"))
+    assert slow.edge_nodes == ("home0",) and base.edge_nodes == ()  # only home0's link differs between the two
+    assert [dataclasses.replace(n, up_mbit=0, down_mbit=0, latency_ms=0) for n in slow.nodes] == [
+        dataclasses.replace(n, up_mbit=0, down_mbit=0, latency_ms=0) for n in base.nodes
+    ]
+    home = {n.name: n for n in slow.nodes}["home0"]
+    assert (home.up_mbit, home.down_mbit, home.latency_ms + 5) == (5, 5, 75)  # 150 ms round trip to the others
 
 
 def test_a_topology_file_gives_roles_asymmetric_links_and_cpu_pinning(tmp_path: Path) -> None:
@@ -106,7 +114,7 @@ def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> Non
 
 
 def test_a_missing_topology_names_the_bundled_ones() -> None:
-    bundled = "edge-only, hetero, hetero-tiny, hetero-tiny-wan, mixed-speed, uniform"
+    bundled = "edge-only, hetero, hetero-tiny, hetero-tiny-wan, mixed-speed, slow-link, slow-link-base, uniform"
     with pytest.raises(TopologyError, match=rf"no such file, nor a bundled topology .*{bundled}"):
         load_topology(Path("nowhere.toml"))
 
