@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Collection
 
 import pytest
 import torch
@@ -44,22 +45,29 @@ def test_every_member_selects_the_same_k_contributors_and_each_gets_its_turn() -
     assert set(picks) == set(NAMES) and 60 <= min(picks.values()) <= max(picks.values()) <= 140  # expected 100
 
 
+def tree_children(members: list[str], author: str, slow: Collection[str], max_hops: int) -> Counter[str]:
+    """Each relay parent's number of children in `author`'s tree, having followed every member up to the root in
+    at most `max_hops` hops."""
+    children: Counter[str] = Counter()
+    for me in members:
+        if me == author:
+            continue
+        node, hops = me, 0
+        while node != author:
+            parent = relay_parent(members, author, node, slow)
+            assert parent != node
+            node, hops = parent, hops + 1
+            assert hops <= max_hops
+        children[relay_parent(members, author, me, slow)] += 1
+    return children
+
+
 @pytest.mark.parametrize("size", [2, 3, 4, 5, 8, 13, 16, 33, 100])
 def test_each_relay_tree_reaches_every_member_in_log_hops_with_bounded_uploads(size: int) -> None:
     members = NAMES[:size] if size <= len(NAMES) else [f"peer-{i:05d}" for i in range(size)]
     uploads: Counter[str] = Counter()
     for author in members:
-        children: Counter[str] = Counter()
-        for me in members:
-            if me == author:
-                continue
-            node, hops = me, 0
-            while node != author:  # follow parents up to the root
-                parent = relay_parent(members, author, node)
-                assert parent != node
-                node, hops = parent, hops + 1
-                assert hops <= math.floor(math.log2(size))
-            children[relay_parent(members, author, me)] += 1
+        children = tree_children(members, author, (), max_hops=math.floor(math.log2(size)))
         assert max(children.values()) <= FANOUT
         uploads.update(children)
     assert max(uploads.values()) <= FANOUT * size  # at most FANOUT per message, summed over every author
@@ -76,16 +84,8 @@ def test_slow_uplinks_are_leaves_and_a_slow_author_uploads_one_copy(size: int, s
     uplinks.pop(members[0])  # a member whose record we did not read: not slow
     slow = slow_uplinks(uplinks, members)
     assert slow == {m for m in members if uplinks.get(m) == 5.0} and len(slow) == slow_count
-    for author in members:
-        children: Counter[str] = Counter()
-        for me in members:
-            if me == author:
-                continue
-            node, hops = me, 0
-            while node != author:  # every member is still reached, in a few hops more at most
-                node, hops = relay_parent(members, author, node, slow), hops + 1
-                assert hops <= math.floor(math.log2(size)) + 1
-            children[relay_parent(members, author, me, slow)] += 1
+    for author in members:  # every member is still reached, in one hop more at most
+        children = tree_children(members, author, slow, max_hops=math.floor(math.log2(size)) + 1)
         assert max(children.values()) <= FANOUT
         assert not (set(children) - {author}) & slow  # no slow member relays (they are at most half the group)
         if author in slow:
