@@ -25,6 +25,7 @@ from hetero_node.client.swarm.cost_model import (
     exchange_bytes,
     exchange_hops,
     predict_round,
+    relay_upload_bytes,
 )
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.planner import PeerInfo, Plan, plan
@@ -63,10 +64,13 @@ def test_a_round_of_two_full_replicas_and_one_virtual_replica_by_hand() -> None:
     assert [p.nodes[n].steps for n in "abcd"] == [7, 3, 10, 10]  # a: 1 s per step, b: 2 s
     assert p.contributors == 3 and p.tokens_per_round == (7 + 3 + 10) * 100
     a, c, d = p.nodes["a"], p.nodes["c"], p.nodes["d"]
-    assert a.bytes_up == a.bytes_down == 2 * 4000  # 2 other replicas, both shards
-    assert a.exchange_s == pytest.approx(8000 * 8 / 8e6 + 1.0)  # + the default matchmaking second
-    assert (c.bytes_up, c.bytes_down) == (2 * 1000 + 10 * 50, 2 * 1000 + 10 * 40)  # shard 0 + boundary traffic
-    assert (d.bytes_up, d.bytes_down) == (2 * 3000 + 10 * 40, 2 * 3000 + 10 * 50)
+    # c and d (1 Mbit/s beside 8) are leaves of their shard's relay trees: each uploads its own message once, a and b
+    # the rest of the 3 × 2 copies per shard
+    assert a.bytes_down == 2 * 4000  # 2 other replicas, both shards
+    assert a.bytes_up == (3 * 2 * 1000 - 1000) / 2 + (3 * 2 * 3000 - 3000) / 2
+    assert a.exchange_s == pytest.approx(10000 * 8 / 8e6 + 1.0)  # + the default matchmaking second
+    assert (c.bytes_up, c.bytes_down) == (1000 + 10 * 50, 2 * 1000 + 10 * 40)  # shard 0 + boundary traffic
+    assert (d.bytes_up, d.bytes_down) == (3000 + 10 * 40, 2 * 3000 + 10 * 50)
     assert d.exchange_s == pytest.approx(6000 * 8 / 1e6 + 1.0)
     assert p.round_s == pytest.approx(p.window_s + d.exchange_s)  # the slowest member's exchange
     assert a.compute_s == pytest.approx(7.0) and p.utilisation("a") == pytest.approx(7.0 / p.round_s)
@@ -102,6 +106,13 @@ def test_relay_tree_bytes_stay_flat_at_k_messages_and_the_tree_adds_a_round_trip
         assert exchange_bytes(1000, replicas, "relay-tree", 8) == pytest.approx(k * 1000 * (replicas - 1) / replicas)
         assert exchange_bytes(1000, replicas, "relay-tree", 0) == pytest.approx((replicas - 1) * 1000)  # K = 0: all
     assert [exchange_hops(c, "relay-tree") for c in (2, 3, 4, 7, 8, 16, 17, 1000)] == [1, 1, 2, 2, 3, 4, 4, 9]
+    for replicas, slow in ((4, 1), (16, 5), (1000, 400)):  # slow leaves move uploads, never the total
+        k = min(replicas, 8)
+        leaf, fast = (relay_upload_bytes(1000, replicas, 8, slow, is_slow) for is_slow in (True, False))
+        assert leaf == pytest.approx(k / replicas * 1000)  # its own message, once, when selected
+        assert slow * leaf + (replicas - slow) * fast == pytest.approx(k * (replicas - 1) * 1000)
+        average = exchange_bytes(1000, replicas, "relay-tree", 8)
+        assert relay_upload_bytes(1000, replicas, 8, 0, False) == pytest.approx(average)  # none slow: as before
     assert exchange_hops(1000, "all-to-all") == 1
     swarm = {f"n{i}": peer(f"n{i}", 100, 8) for i in range(16)}
     shape = dataclasses.replace(SHAPE, max_contributors=4, fixed_table_bytes=600)
@@ -117,11 +128,12 @@ def test_later_stages_fetch_the_changed_entries_or_the_fixed_table_from_shard_0_
     dense = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), shape, LinkModel(table_upkeep="dense",
                           overhead_bytes=0))  # fmt: skip
     assert dense.nodes["d"].bytes_down == 2 * 3000 + 10 * 50 + 600
-    assert dense.nodes["a"].bytes_up == 2 * 4000 + 600 / 3  # three shard-0 holders (a, b, c) share one upload
+    messages_up = (3 * 2 * 1000 - 1000) / 2 + (3 * 2 * 3000 - 3000) / 2  # c and d are slow leaves (above)
+    assert dense.nodes["a"].bytes_up == messages_up + 600 / 3  # three shard-0 holders (a, b, c) share one upload
     changes = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), shape, BARE)
     union = 1 - 0.9**3  # 3 contributors selecting 10% of the embedding each; 8 bytes per entry against 4
     assert changes.nodes["d"].bytes_down == pytest.approx(2 * 3000 + 10 * 50 + 2 * union * 600)
-    assert changes.nodes["a"].bytes_up == pytest.approx(2 * 4000 + 2 * union * 600 / 3)
+    assert changes.nodes["a"].bytes_up == pytest.approx(messages_up + 2 * union * 600 / 3)
     crowd = dataclasses.replace(shape, embedding_density=0.5)  # when most entries change: the table, never more
     assert predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), crowd, BARE).nodes["d"].bytes_down == \
         2 * 3000 + 10 * 50 + 600  # fmt: skip

@@ -14,7 +14,10 @@ One round, as the protocol runs it:
   (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees,
   K(C−1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
   tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at the node's link (a
-  relay re-serves a message once it has all of it); all-to-all (the protocol before) downloads every other member's
+  relay re-serves a message once it has all of it; members whose upload is below a quarter of the median are leaves
+  that upload their own message once and the others carry the rest; the hop a slow author's message takes through
+  a fast member is not priced: a round trip and a fast store-and-forward, against a slow copy saved);
+  all-to-all (the protocol before) downloads every other member's
   message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two
   messages each way whatever C is. Stages without the embedding also keep T_fixed current every round: today by
   downloading the entries of E_S the aggregate changed, 8 bytes each, never more than the table ("changes"; the
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from hetero_node.client.swarm.planner import PeerInfo
-from hetero_node.protocol.flat_exchange import aggregated, contributor_limit
+from hetero_node.protocol.flat_exchange import aggregated, contributor_limit, slow_uplinks
 from hetero_node.protocol.outer_specs import outer_spec
 from hetero_node.protocol.run_config import RunConfig
 
@@ -258,6 +261,19 @@ def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int =
     return 2 * nbytes * (contributors - 1) / contributors  # reduce-scatter, then all-gather, of 1/R parts
 
 
+def relay_upload_bytes(nbytes: float, contributors: int, limit: int, slow: int, is_slow: bool) -> float:
+    """Bytes one member uploads for one shard's relay trees when `slow` of the `contributors` are on slow uplinks
+    (`slow_uplinks`): a slow one is a leaf and uploads only its own message, once, when it is selected; the others
+    carry the rest of the K(C−1) copies. With none slow this is `exchange_bytes`'s average."""
+    if contributors < 2:
+        return 0.0
+    k = aggregated(contributors, limit)
+    own_once = k / contributors * nbytes
+    if is_slow:
+        return own_once
+    return (k * (contributors - 1) * nbytes - slow * own_once) / (contributors - slow)
+
+
 def exchange_hops(contributors: int, exchange: str) -> int:
     """Round trips a message's trip takes: its relay tree's depth, ⌊log2 C⌋ (relay-tree), else one."""
     if exchange == "relay-tree" and contributors > 2:
@@ -286,6 +302,7 @@ def predict_round(
         for v, vr in enumerate(assignment.virtual)
         for s, p in enumerate(vr)
     ]
+    slow = _slow_holders(peers, members, steps, shape.stages) if exchange == "relay-tree" else {}
     shard0_holders = sum(1 for _, _, replica, stage, _ in members if stage <= 0 and steps[replica])
     table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and steps[replica])
     nodes = {}
@@ -293,9 +310,16 @@ def predict_round(
         peer, n = peers[peer_id], steps[replica]
         up = down = 0.0  # the round's exchange: messages of the shards held, T_fixed, protocol overhead
         if n:
-            up = down = links.overhead_bytes + sum(
+            down = links.overhead_bytes + sum(
                 exchange_bytes(shape.shard_message_bytes[s], contributors, exchange, limit) for s in shards
             )
+            up = down
+            if exchange == "relay-tree":  # slow leaves (`protocol/flat_exchange.py`): the fast members upload more
+                sizes = {s: shape.shard_message_bytes[s] for s in shards}
+                up = links.overhead_bytes + sum(
+                    relay_upload_bytes(size, contributors, limit, len(slow[s]), peer_id in slow[s])
+                    for s, size in sizes.items()
+                )
             table_down, table_up = _table_upkeep_bytes(
                 shape, links, aggregated(contributors, limit), shard0_holders, table_fetchers
             )
@@ -318,6 +342,18 @@ def predict_round(
     round_s = _round_s(window, nodes, shape)
     tokens = sum(steps) * shape.tokens_per_step
     return RoundPrediction(window, round_s, tokens, contributors, nodes, aggregated(contributors, limit))
+
+
+def _slow_holders(
+    peers: Mapping[str, PeerInfo], members: Sequence[tuple[str, str, int, int, tuple[int, ...]]], steps: list[int],
+    stages: int,
+) -> dict[int, frozenset[str]]:  # fmt: skip
+    """Per shard, its training holders on slow uplinks (`slow_uplinks`): the leaves of that shard's relay trees."""
+    slow = {}
+    for s in range(stages):
+        holders = {p: peers[p].upload_mbps for p, _, replica, _, held in members if steps[replica] and s in held}
+        slow[s] = slow_uplinks(holders, list(holders))
+    return slow
 
 
 def _table_upkeep_bytes(
