@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from hivemind.p2p import P2P
 
 from hetero_node.bench.poison import RUN_ID, SHAPES, serve, swarm, wait_for_records
 from hetero_node.client.outer.shard_state import ShardStates
-from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, MAX_STREAMS_PER_PEER, PeerRuntime, wire
+from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, MAX_STREAMS_PER_PEER, PeerRuntime, quiet_not_served, wire
 from hetero_node.protocol import socket_dir
 from hetero_node.protocol.errors import DaemonError, PayloadError
 from hetero_node.protocol.frames import MAX_FRAME_BYTES
@@ -86,6 +87,28 @@ def test_a_frame_declared_larger_than_the_cap_is_refused_at_its_header() -> None
     assert asyncio.run(frame(5, b"hello")) == b"hello"
     with pytest.raises(PayloadError, match=f"limit is {MAX_FRAME_BYTES}"):
         asyncio.run(frame(MAX_FRAME_BYTES + 1, b"x"))
+
+
+def test_a_blob_not_held_yet_is_refused_without_a_logged_failure_and_real_failures_still_log() -> None:
+    """A relay child polls its parent until the parent holds the message: hivemind logged each refusal as a failed
+    handler with its traceback (a screenful per round). The refusal still reaches the asker, as "no <kind>"."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    daemon_log = logging.getLogger("hivemind.p2p.p2p_daemon")
+    daemon_log.addHandler(handler)
+    try:
+        with swarm(2) as (server, client):
+            with pytest.raises(Exception, match="no msg:ab"):
+                client.fetch(server.peer_id, "msg:ab", 0, 1, 1 << 10, 10)
+            server.publish("msg:ab", 0, 1, b"verified bytes")
+            assert client.fetch(server.peer_id, "msg:ab", 0, 1, 1 << 10, 10) == (1, b"verified bytes")
+    finally:
+        daemon_log.removeHandler(handler)
+    assert not [r for r in records if "Handler failed" in r.getMessage()]
+    failure = logging.LogRecord("hivemind.p2p.p2p_daemon", logging.WARNING, __file__, 1, "Handler failed", None,
+                                (ValueError, ValueError("offset past the blob"), None))  # fmt: skip
+    assert quiet_not_served(failure)  # any other exception is still logged
 
 
 def test_a_node_whose_p2p_daemon_died_says_so_instead_of_training_alone() -> None:

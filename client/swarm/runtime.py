@@ -83,6 +83,16 @@ def not_served(kind: str) -> str:
     return f"no {kind}"
 
 
+class NotServed(KeyError):
+    """We hold no such blob (yet): the asker polls again (a relay child waiting for its parent), no failure of ours."""
+
+
+def quiet_not_served(record: logging.LogRecord) -> bool:
+    """A logging filter for hivemind's p2p daemon, which logs every exception a handler raises as a failure, with
+    its traceback: a relay child polling its parent made a screenful per round of "Handler failed" warnings."""
+    return not (record.exc_info and isinstance(record.exc_info[1], NotServed))
+
+
 def relay_options(relays: list[str]) -> dict[str, Any]:
     """hivemind.DHT options of a node that cannot be dialed: reserve a slot on `relays` at once (p2pd's AutoNAT
     would need several peers to decide we are private before looking for relays)."""
@@ -169,6 +179,7 @@ class PeerRuntime:
             create_identity(identity)
         self.signer = RSASignatureValidator(load_identity(identity))  # one key: peer id and record signatures
         bound_hivemind_frames()
+        logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(quiet_not_served)  # once: a filter is added once
         use_private_socket_dir()
         use_fork_start_method()
         try:
@@ -329,7 +340,7 @@ class PeerRuntime:
         try:
             found = self._lookup(request.kind, request.shard, request.round)
             if found is None:
-                raise KeyError(f"{not_served(request.kind)} for shard {request.shard} round {request.round} here")
+                raise NotServed(f"{not_served(request.kind)} for shard {request.shard} round {request.round} here")
             round_, data = found
             if callable(data):  # made on first request, off the event loop, then kept
                 data = await asyncio.get_running_loop().run_in_executor(None, data)
