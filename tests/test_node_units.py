@@ -4,6 +4,7 @@ addresses."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -389,3 +390,13 @@ def test_run_requirements_size_round_traffic_with_the_runs_own_outer_method() ->
     # K bounds SparseLoCo's messages only: a DiLoCo round aggregates every contributor's dense Δ
     assert run_requirements(run_config(outer=OuterConfig(max_contributors=4))).max_contributors == 4
     assert run_requirements(run_config(outer=OuterConfig(outer="diloco", max_contributors=4))).max_contributors == 0
+
+
+def test_an_ahead_of_time_import_that_fails_is_logged_at_debug_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """CI: a joiner refused at once (a mismatched run) exited while its background thread imported torch._dynamo,
+    and the half-torn-down import printed a traceback into a log whose error should be one line."""
+    from hetero_node.client.node.join import import_quietly
+
+    with caplog.at_level(logging.DEBUG, logger="hetero_node.client.node.join"):
+        import_quietly(("json", "hetero_node_no_such_module", "csv"))  # stops at the failure, raises nothing
+    assert "importing hetero_node_no_such_module ahead of time stopped" in caplog.text
