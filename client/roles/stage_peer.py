@@ -239,7 +239,10 @@ class StagePeer(Replica):
                                "up to meet it there", self.vr, t, ", ".join(map(str, later)))  # fmt: skip
                 return False
             if not missing:
-                if self.stage.first and all(records[pid].round == t for pid in holders.values()):
+                # a holder whose record has fingerprints has built its stage and registered its handler (`setup`):
+                # one that only claimed the slot would refuse our activations ("protocols not supported")
+                ready = all(records[pid].round == t and records[pid].fingerprints for pid in holders.values())
+                if self.stage.first and ready:
                     return True
                 if not self.stage.first and self.inbox.take(lambda h: True, timeout=1.0, keep=True) is not None:
                     return True
