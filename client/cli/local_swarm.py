@@ -36,6 +36,10 @@ def fresh_dir(path: Path) -> Path:
 LOOPBACK = "127.0.0.1"
 
 
+class PeerStillRunning(TimeoutError):
+    """A peer of a local swarm did not exit in the time given."""
+
+
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -151,7 +155,19 @@ class LocalSwarm:
             os.killpg(pgid, signal.SIGKILL)
 
     def wait(self, name: str, timeout: float) -> int:
-        return self.processes[name].wait(timeout)
+        """`name`'s exit code; one still running after `timeout` s fails with the end of every peer's log (what
+        a CI report shows of a swarm that hung: which peer waited for which)."""
+        try:
+            return self.processes[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            tails = "\n".join(f"--- {peer}.log, last lines:\n{self.log_tail(peer)}" for peer in self.processes)
+            raise PeerStillRunning(f"{name} still runs after {timeout:g} s\n{tails}") from None
+
+    def log_tail(self, name: str, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path(name).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
 
     def stop_all(self) -> None:
         for name in list(self.processes):
