@@ -23,6 +23,8 @@ from hetero_node.protocol.swarm_key import PROOF_PATTERN
 
 PAYLOAD, MANIFEST = "payload", "manifest"
 """Blob kinds: a member's own message of a round, and the round's manifest."""
+MESSAGE_PREFIX = "msg:"
+"""Blob kinds that start so are copies of a round's message, named by its digest (`message_kind`)."""
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_MANIFEST_MEMBERS = 4096
 MAX_NAME_CHARS = 128
@@ -38,7 +40,12 @@ CERTIFICATE_FIELDS = frozenset({"round", "members", "start_fp"})
 
 def message_kind(digest: str) -> str:
     """Blob kind under which every member re-serves a round's message with this digest (for relays and catch-up)."""
-    return f"msg:{digest}"
+    return f"{MESSAGE_PREFIX}{digest}"
+
+
+def reveals_a_message(kind: str) -> bool:
+    """Whether blobs of `kind` carry a member's message of a round (its own, or a copy): commit, then reveal."""
+    return kind == PAYLOAD or kind.startswith(MESSAGE_PREFIX)
 
 
 def digest(data: bytes) -> str:

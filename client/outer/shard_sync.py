@@ -53,6 +53,7 @@ from torch import Tensor
 
 from hetero_node.client.config import SyncTimeouts
 from hetero_node.client.outer.heal import Applied, heal
+from hetero_node.client.outer.reveal import RevealGate
 from hetero_node.client.outer.roster_round import RosterRound, round_certificate
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
@@ -235,6 +236,8 @@ class ShardSync:
         be the deciders', so we state and seal but take each round's result from the members that decide it, until
         a record or manifest tells us the certificate (`adopt`). Deciding against another base could certify a
         second set."""
+        self.reveal = RevealGate(self.roster, lambda: -1 if self.certificate is None else self.certificate.round)
+        """Our messages of a round go only to peers that stated theirs, until the round is decided (`reveal.py`)."""
 
     @property
     def certificate(self) -> Certificate | None:
@@ -288,6 +291,7 @@ class ShardSync:
         or at `scheduled_time` (DHT time) with whoever has; in the swarm's first round at least --round-timeout-s
         from now."""
         pending.roster = self.roster(pending.round)
+        self.runtime.reveal_gates[self.shard] = self.reveal.allows  # the shard's messages are ours from now on
         # without a certificate the round needs every member's seal on one set (`unanimous`): wait for the statements
         # of every member with a record, not only those the records show coming (one still starting up is not yet)
         waited = coming if self.certificate is not None else {*coming, *live}
@@ -349,6 +353,7 @@ class ShardSync:
         statements = roster.await_statements(pending.expected, lambda: pending.close - get_dht_time(), swarm_moved_on)
         if statements is None:
             return ShardOutcome(new_tensors=None)
+        self.reveal.note_statements(pending.round, set(statements))
         statements.setdefault(self.me, pending.meta)  # our own, whether or not the DHT showed it to us yet
         healed = heal(self, pending, statements)  # round t−1 applied with different sets: the wider one wins
         if healed is not None:

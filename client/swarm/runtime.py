@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.rate_limit import PeerBudget
 from hetero_node.protocol.reachability import register_dialback_handler
 from hetero_node.protocol.records import PeerRecord, base_validators, run_validators, sealed_record
+from hetero_node.protocol.round_wire import reveals_a_message
 from hetero_node.protocol.socket_dir import use_private_socket_dir
 from hetero_node.protocol.swarm_key import MemberProofValidator
 
@@ -223,6 +224,9 @@ class PeerRuntime:
         self._blobs_lock = threading.Lock()
         self._open_streams: Counter[str] = Counter()
         self._state_budget = PeerBudget(STATE_REQUESTS_PER_MINUTE, 60.0)
+        self.reveal_gates: dict[int, Callable[[str, int], Awaitable[bool]]] = {}
+        """Per shard, whether a peer may fetch our messages of a round (`client/outer/reveal.py`): commit, then
+        reveal."""
         self._dht_lock = threading.Lock()  # hivemind's DHT writes requests to one pipe without a lock of its own
         self._last_request = 0.0
         self.bytes_served_total = 0
@@ -342,6 +346,12 @@ class PeerRuntime:
             if found is None:
                 raise NotServed(f"{not_served(request.kind)} for shard {request.shard} round {request.round} here")
             round_, data = found
+            gate = self.reveal_gates.get(request.shard)
+            if gate is not None and reveals_a_message(request.kind) and not await gate(peer, round_):
+                raise NotServed(
+                    f"{not_served(request.kind)} for shard {request.shard} round {round_} to {peer} yet: its own "
+                    "statement of that round is not in (commit, then reveal)"
+                )
             if callable(data):  # made on first request, off the event loop, then kept
                 data = await asyncio.get_running_loop().run_in_executor(None, data)
                 with self._blobs_lock:
