@@ -37,7 +37,7 @@ from hetero_node.models.shards import shard_parameter_names, shard_tensors
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
-from hetero_node.protocol.aggregation import contribution_norm, peak_value
+from hetero_node.protocol.aggregation import aggregate, contribution_norm, peak_value
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import OuterConfig, RunConfig
 from hetero_node.protocol.sparseloco import CompressedTensor, ErrorFeedbackCompressor, SparseMessage
@@ -139,10 +139,28 @@ def concentrated_messages(attacker: Member, honest: list[SparseMessage]) -> list
     return out
 
 
-def attacker_messages(attack: str, attacker: Member, start: list[list[torch.Tensor]]) -> list[SparseMessage]:
-    """What one attacker sends this round (it has trained its H steps like everyone else)."""
+def negated_messages(attacker: Member, honest: list[list[SparseMessage]]) -> list[SparseMessage]:
+    """−SCALE × the honest members' mean step per shard, through a compressor of its own (no error feedback): the
+    rule's clip brings it down to its full allowance. It needs every honest message before it sends its own."""
+    out = []
+    for s, method in enumerate(attacker.methods):
+        mean = aggregate([sent[s] for sent in honest], method.shapes).tensors
+        config = dataclasses.replace(method.config, ef_decay=0.0)
+        out.append(ErrorFeedbackCompressor(method.shapes, config).compress([-SCALE * t for t in mean]))
+    return out
+
+
+def attacker_messages(
+    attack: str, attacker: Member, start: list[list[torch.Tensor]], honest_sent: list[list[SparseMessage]]
+) -> list[SparseMessage]:
+    """What one attacker sends this round (it has trained its H steps like everyone else); `honest_sent`: the
+    honest members' messages, which only `negate` reads."""
     if attack == "scale":
         return attacker.messages(start, sign=SCALE)
+    if attack == "blind-negate":
+        return attacker.messages(start, sign=-SCALE)
+    if attack == "negate":
+        return negated_messages(attacker, honest_sent)
     if attack in ("sign-flip", "heavy-flip"):
         return attacker.messages(start, sign=-1.0)
     honest = attacker.messages(start)
@@ -181,7 +199,7 @@ def run_cell(
             m.train(run.outer.inner_steps, t)
         sent = [m.messages(start) for m in members[:honest]]
         for a in members[honest:]:
-            sent.append(attacker_messages(attack or "", a, start))
+            sent.append(attacker_messages(attack or "", a, start, sent[:honest]))
         if attack == "collude":  # both push the first attacker's coordinates
             sent[-1] = sent[-2]
         judge: list[OuterMethod] = members[0].methods
@@ -248,27 +266,35 @@ def _summary(values: list[float]) -> str:
     return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
+def progress_kept(cell: dict[str, Any], clean: dict[str, Any]) -> float:
+    """The share of the clean run's loss decrease from the warm start that the attacked run still made (the trust
+    issue's target: at least 90% with one attacker in three, 95% with one in five)."""
+    drop = statistics.fmean(curve[0] - curve[-1] for curve in cell["curves"])
+    return drop / statistics.fmean(curve[0] - curve[-1] for curve in clean["curves"])
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """One row per (group, attack): each rule's final eval loss and its change against that rule's clean run."""
     cells = {(c["rule"], c["honest"], c["attack"]): c for c in report["cells"]}
     rules = list(dict.fromkeys(c["rule"] for c in report["cells"]))
     rows = list(dict.fromkeys((c["honest"], c["attack"]) for c in report["cells"]))
-    header = "| group | attack | " + " | ".join(f"{r}: eval loss | {r}: vs clean" for r in rules) + " |"
-    lines = [header, "|" + "---|" * (2 + 2 * len(rules))]
+    header = "| group | attack | " + " | ".join(f"{r}: eval loss | vs clean | progress kept" for r in rules) + " |"
+    lines = [header, "|" + "---|" * (2 + 3 * len(rules))]
     for honest, attack in rows:
         attackers = 0 if attack == "none" else 2 if attack == "collude" else 1
         row = [f"{honest} honest + {attackers}", attack]
         for rule in rules:
             cell, clean = cells.get((rule, honest, attack)), cells.get((rule, honest, "none"))
             if cell is None or clean is None:
-                row += ["–", "–"]
+                row += ["–", "–", "–"]
                 continue
             change = statistics.fmean(cell["finals"]) / statistics.fmean(clean["finals"]) - 1
-            row += [_summary(cell["finals"]), f"{change:+.1%}"]
+            row += [_summary(cell["finals"]), f"{change:+.1%}", f"{progress_kept(cell, clean):.0%}"]
         lines.append("| " + " | ".join(row) + " |")
     config = report["config"]
     lines.append(
         f"\n`{config['preset']}`, warm start {config['warm_steps']} steps, {config['rounds']} rounds of H = "
-        f"{config['inner_steps']}, {config['seeds']} seed(s); eval loss of the honest replicas after the last round."
+        f"{config['inner_steps']}, {config['seeds']} seed(s); eval loss of the honest replicas after the last round; "
+        "progress kept: its drop from the warm start's eval loss over the clean run's."
     )
     return "\n".join(lines) + "\n"

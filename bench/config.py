@@ -205,11 +205,15 @@ class SlowLinkConfig:
             raise ConfigError(f"--round-s must be ≥ 0, got {self.round_s}")
 
 
-BYZANTINE_ATTACKS = ("scale", "sign-flip", "heavy-flip", "fixed-top", "concentrate", "zero", "collude")
+BYZANTINE_ATTACKS = (
+    "scale", "sign-flip", "heavy-flip", "fixed-top", "concentrate", "zero", "collude", "negate", "blind-negate",
+)  # fmt: skip
 """scale: its honest Δ ×100; sign-flip: −Δ (gradient ascent); heavy-flip: −Δ claiming 1000× the tokens; fixed-top:
 the same coordinates at the top centroid every round; concentrate: the whole norm budget on one row of the head, along
 the mean final hidden state (one token's logit up everywhere); zero: an all-zero message; collude: two peers sending
-the same fixed-top message."""
+the same fixed-top message; negate: −100× the honest members' mean step, read from their messages before it sends
+its own (what serving messages before statements allowed); blind-negate: −100× its own Δ, the most an attacker that
+must state its digest before it can read any message (commit, then reveal) can aim at the honest step."""
 
 
 @dataclass(frozen=True)
