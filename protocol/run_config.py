@@ -95,7 +95,8 @@ class OuterConfig:
         default="mean",
         metadata={
             "help": "How a group combines its messages: mean (token-weighted mean, per-token norm clip) or robust "
-            "(every bound per tensor and per coordinate: a minority of liars cannot concentrate; see bench-byzantine)."
+            "(every bound per tensor and per coordinate: a minority of liars cannot concentrate; see bench-byzantine). "
+            "A public swarm's bootstrap announces robust unless this is given (or set in --config)."
         },
     )
     max_contributors: int = field(

@@ -19,6 +19,7 @@ from hivemind.p2p import PeerID
 
 from hetero_node.client.cli.demo import DemoConfig, summarize
 from hetero_node.client.node.join import role_for_run
+from hetero_node.client.node.run_definition import public_swarm_rule
 from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, CheckpointWriter, load_checkpoint, save_checkpoint
@@ -309,6 +310,16 @@ def test_run_file_fills_the_run_definition_and_explicit_options_win(tmp_path: Pa
     run_file.write_text("[outer]\naggregation = 'median'\n")
     with pytest.raises(ConfigError, match="--aggregation must be one of mean, robust"):
         apply_run_file(configs, load_run_file(run_file), explicit=set())
+
+
+def test_a_public_swarm_aggregates_robustly_unless_its_operator_chose_a_rule_or_it_is_private() -> None:
+    default = OuterConfig()
+    assert default.aggregation == "mean"
+    assert public_swarm_rule(default, chosen=False, private=False).aggregation == "robust"
+    assert public_swarm_rule(default, chosen=True, private=False).aggregation == "mean"  # --aggregation mean
+    assert public_swarm_rule(default, chosen=False, private=True).aggregation == "mean"  # members hold the key
+    diloco = OuterConfig(outer="diloco")
+    assert public_swarm_rule(diloco, chosen=False, private=False) == diloco  # DiLoCo has the mean rule only
 
 
 def test_compress_all_makes_every_node_a_stage_and_one_stage_runs_have_none() -> None:

@@ -65,6 +65,7 @@ def test_four_replicas_aggregate_three_messages_a_round_through_relay_trees_past
         peers = start_replicas(swarm, 3, tmp_path, rounds=4, run_extra={"max_contributors": 3}, min_peers=4)
         swarm.start("r3", join_args(peers, 3, tmp_path, min_peers=4), program=[*FAULTY_PEER, "bad-relay"])
         assert_all_exit_cleanly(swarm, [f"r{i}" for i in range(4)])
+    assert "robust aggregation" in swarm.log_path("bootstrap").read_text()  # a public swarm's default rule
     replicas = [rounds_of(tmp_path, i) for i in range(4)]
     run = sizing_run(RunOptions(preset="tiny", batch_size=8, seq_len=64), OuterConfig(stages=2), OptimConfig(),
                      SparseLoCoConfig(), PipelineConfig())  # fmt: skip

@@ -119,6 +119,14 @@ def _run_configs(
     return configs, explicit
 
 
+def _chosen_options(explicit: set[str], config: Path | None) -> set[str]:
+    """Options the operator chose: given explicitly, or set in the run file."""
+    from hetero_node.client.node.run_definition import load_run_file
+
+    in_file = {key for table in (load_run_file(config) if config is not None else {}).values() for key in table}
+    return explicit | in_file
+
+
 def _lend_relay(relay: RelayConfig) -> None:
     from hetero_node.protocol.reachability import lend_relay
 
@@ -148,16 +156,21 @@ def bootstrap(
     """Run a bootstrap node: a stable entry point that announces the run (signed) to everyone who joins."""
     from hetero_node.bootstrap.join_line import join_line
     from hetero_node.bootstrap.node import BootstrapNode
-    from hetero_node.client.node.run_definition import data_source_name, prepare_run
+    from hetero_node.client.node.run_definition import data_source_name, prepare_run, public_swarm_rule
 
-    configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    chosen = "aggregation" in _chosen_options(explicit, config)
+    configs["outer"] = public_swarm_rule(configs["outer"], chosen, cfg.swarm_key is not None)
     run, _store = prepare_run(*configs.values())
     _lend_relay(relay)
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
     signal.signal(signal.SIGINT, lambda *_: node.stop.set())
     signal.signal(signal.SIGTERM, lambda *_: node.stop.set())
     console.print(f"bootstrap peer id: {node.dht.peer_id}", markup=False, highlight=False)
-    console.print(f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}", markup=False)
+    console.print(
+        f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}, "
+        f"{run.outer.aggregation} aggregation", markup=False,
+    )  # fmt: skip
     console.print("volunteers join with:", markup=False)
     console.print(f"  {join_line(node.join_addresses[0])}", markup=False, highlight=False, soft_wrap=True)
     if cfg.metrics_port is None:
