@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from hetero_node.client.swarm.runtime import STATE_REQUESTS_PER_MINUTE, PeerRuntime, wire
+from hetero_node.client.swarm.runtime import COPIES_PER_MINUTE, STATE_REQUESTS_PER_MINUTE, PeerRuntime, wire
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.probe import MAX_CONCURRENT_PROBES, MAX_PROBE_BYTES, PROBE_BUDGET_BYTES, ProbeServer
 from hetero_node.protocol.rate_limit import PeerBudget
+from hetero_node.protocol.round_wire import PAYLOAD
 
 
 def test_a_budget_refuses_past_its_limit_refills_after_its_window_and_forgets_old_peers() -> None:
@@ -80,6 +81,31 @@ def test_one_peer_cannot_make_a_node_serve_states_in_a_loop() -> None:
             with pytest.raises(PayloadError, match="states in the last minute"):
                 await fetch("looping")
             assert await fetch("honest") == b"a state"
+
+        server.run(scenario(), timeout=60)
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.multipeer
+def test_one_peer_cannot_make_a_node_resend_a_rounds_message_in_a_loop() -> None:
+    server = PeerRuntime([])
+    try:
+        server.join_run("0123456789abcdef")
+        for round_ in (1, 2):
+            server.publish(PAYLOAD, 0, round_, b"a round's message")
+
+        async def fetch(peer: str, round_: int = 1) -> bytes:
+            request = wire.BlobRequest(kind=PAYLOAD, shard=0, round=round_)
+            return b"".join([piece.data async for piece in server._serve_blob(request, context(peer))])
+
+        async def scenario() -> None:
+            for _ in range(COPIES_PER_MINUTE):
+                assert await fetch("looping") == b"a round's message"
+            with pytest.raises(PayloadError, match="times in the last minute"):
+                await fetch("looping")
+            assert await fetch("looping", round_=2) == b"a round's message"  # another blob, its own budget
+            assert await fetch("honest") == b"a round's message"
 
         server.run(scenario(), timeout=60)
     finally:

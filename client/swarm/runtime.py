@@ -69,6 +69,11 @@ STATE_REQUESTS_PER_MINUTE = 60
 stream a shard, so a looping peer must not turn us into its amplifier (security review H5). An honest stage asks for
 T_fixed once per round and for states once per shard when it (re)loads, with retries. A request resumed at an
 offset (through a relay) counts as the share of the blob it asks for."""
+COPIES_PER_MINUTE = 4
+"""Times one peer may fetch the same message or manifest (kind, shard, round) from us per minute: an honest member
+fetches each once, plus a retry or a fallback after a failed prefetch; a looping one must not make us re-send a
+round's blobs without end (security review: messages and manifests had no budget but the stream cap). A transfer
+resumed at an offset counts as the share it asks for."""
 CHALLENGE_S = 3.0
 """How long a liveness challenge (a dial at the peer's recorded addresses) may take before the peer counts as silent."""
 MAX_CHALLENGES = 64
@@ -224,6 +229,7 @@ class PeerRuntime:
         self._blobs_lock = threading.Lock()
         self._open_streams: Counter[str] = Counter()
         self._state_budget = PeerBudget(STATE_REQUESTS_PER_MINUTE, 60.0)
+        self._copy_budget = PeerBudget(COPIES_PER_MINUTE, 60.0)
         self.reveal_gates: dict[int, Callable[[str, int], Awaitable[bool]]] = {}
         """Per shard, whether a peer may fetch our messages of a round (`client/outer/reveal.py`): commit, then
         reveal."""
@@ -361,6 +367,11 @@ class PeerRuntime:
             resumed_share = (len(data) - request.offset) / max(len(data), 1)  # a resumed transfer pays what is left
             if request.kind in LATEST_KINDS and not self._state_budget.take(peer, resumed_share):
                 raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
+            copy = f"{peer} {request.kind} {request.shard} {round_}"
+            if request.kind not in LATEST_KINDS and not self._copy_budget.take(copy, resumed_share):
+                raise PayloadError(
+                    f"{peer} fetched this {request.kind} of round {round_} {COPIES_PER_MINUTE} times in the last minute"
+                )
             asked = max(request.piece_bytes, MIN_PIECE_BYTES) if request.piece_bytes else BLOB_PIECE_BYTES
             step = min(asked, BLOB_PIECE_BYTES)
             for start in range(request.offset, max(len(data), request.offset + 1), step):
