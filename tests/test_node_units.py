@@ -18,6 +18,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 
 from hetero_node.client.cli.demo import DemoConfig, summarize
+from hetero_node.client.cli.demo import run_args as demo_run_args
 from hetero_node.client.node.join import role_for_run
 from hetero_node.client.node.run_definition import public_swarm_rule
 from hetero_node.client.outer.shard_state import transfer_timeout
@@ -353,6 +354,13 @@ def test_a_node_on_several_devices_trains_a_full_replica() -> None:
 def test_demo_rejects_impossible_topologies(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         DemoConfig(**changes)
+
+
+def test_the_demo_names_its_rule_so_its_bootstrap_does_not_take_a_public_swarms_default() -> None:
+    argv = demo_run_args(DemoConfig())
+    assert argv[argv.index("--aggregation") + 1] == "mean"  # given even at the field's default
+    robust = demo_run_args(DemoConfig(aggregation="robust"))
+    assert robust[robust.index("--aggregation") + 1] == "robust"
 
 
 def test_demo_summary_counts_pipeline_bytes_and_per_shard_agreement() -> None:

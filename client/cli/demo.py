@@ -63,6 +63,10 @@ class DemoConfig:
     max_contributors: int = field(
         default=OuterConfig.max_contributors, metadata={"help": "K: messages a round aggregates at most (0: all)."}
     )
+    aggregation: str = field(
+        default="mean",
+        metadata={"help": "mean: the demo's peers are your own processes; robust: a public swarm's default."},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and the data order."})
     report: Path | None = field(default=None, metadata={"help": "Write the JSON report here."})
     workdir: Path | None = field(
@@ -97,11 +101,11 @@ def run_args(cfg: DemoConfig) -> list[str]:
         diloco_wire=cfg.diloco_wire, max_contributors=cfg.max_contributors, round_s=cfg.round_s,
         target_utilisation=cfg.target_utilisation, overlap_utilisation=cfg.overlap_utilisation,
         min_inner_steps=cfg.min_inner_steps,
-        max_inner_steps=cfg.max_inner_steps, overlap=cfg.overlap,
+        max_inner_steps=cfg.max_inner_steps, overlap=cfg.overlap, aggregation=cfg.aggregation,
     )  # fmt: skip
     optim = OptimConfig(lr=cfg.lr, warmup_steps=min(OptimConfig.warmup_steps, cfg.inner_steps))
     pipeline = PipelineConfig(activation_compression=cfg.activation_compression, subspace_rank=cfg.subspace_rank)
-    return to_argv(run, outer, optim, pipeline)
+    return to_argv(run, outer, optim, pipeline, explicit={"aggregation"})  # the bootstrap's default is another
 
 
 def peer_args(cfg: DemoConfig, peers: str, name: str, workdir: Path) -> list[str]:
