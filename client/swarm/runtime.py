@@ -70,10 +70,11 @@ stream a shard, so a looping peer must not turn us into its amplifier (security 
 T_fixed once per round and for states once per shard when it (re)loads, with retries. A request resumed at an
 offset (through a relay) counts as the share of the blob it asks for."""
 COPIES_PER_MINUTE = 4
-"""Times one peer may fetch the same message or manifest (kind, shard, round) from us per minute: an honest member
-fetches each once, plus a retry or a fallback after a failed prefetch; a looping one must not make us re-send a
-round's blobs without end (security review: messages and manifests had no budget but the stream cap). A transfer
-resumed at an offset counts as the share it asks for."""
+"""Times one peer may fetch the same round message (its author's or a re-served copy: kind, shard, round) from us per
+minute: an honest member fetches each once, plus a retry or a fallback after a failed prefetch; a looping one must
+not make us re-send a round's messages without end (security review: they had no budget but the stream cap). A
+transfer resumed at an offset counts as the share it asks for. Manifests (kilobytes) are asked again by design: a
+late member reads a donor's manifest for each certificate and rebuild it checks."""
 CHALLENGE_S = 3.0
 """How long a liveness challenge (a dial at the peer's recorded addresses) may take before the peer counts as silent."""
 MAX_CHALLENGES = 64
@@ -368,7 +369,7 @@ class PeerRuntime:
             if request.kind in LATEST_KINDS and not self._state_budget.take(peer, resumed_share):
                 raise PayloadError(f"{peer} asked for {STATE_REQUESTS_PER_MINUTE} states in the last minute")
             copy = f"{peer} {request.kind} {request.shard} {round_}"
-            if request.kind not in LATEST_KINDS and not self._copy_budget.take(copy, resumed_share):
+            if reveals_a_message(request.kind) and not self._copy_budget.take(copy, resumed_share):
                 raise PayloadError(
                     f"{peer} fetched this {request.kind} of round {round_} {COPIES_PER_MINUTE} times in the last minute"
                 )
