@@ -29,6 +29,11 @@ def context(peer: str) -> Any:
     return SimpleNamespace(remote_id=peer)
 
 
+async def served(server: PeerRuntime, request: Any, peer: str) -> bytes:
+    """What `server`'s blob handler streams to `peer` for `request`."""
+    return b"".join([piece.data async for piece in server._serve_blob(request, context(peer))])
+
+
 def test_one_peer_cannot_draw_more_probe_bytes_than_its_budget_and_others_still_get_theirs() -> None:
     server = ProbeServer()
 
@@ -70,10 +75,9 @@ def test_one_peer_cannot_make_a_node_serve_states_in_a_loop() -> None:
     try:
         server.join_run("0123456789abcdef")
         server.publish("state", 0, 1, b"a state")
-        request = wire.BlobRequest(kind="state", shard=0, round=1)
 
         async def fetch(peer: str) -> bytes:
-            return b"".join([piece.data async for piece in server._serve_blob(request, context(peer))])
+            return await served(server, wire.BlobRequest(kind="state", shard=0, round=1), peer)
 
         async def scenario() -> None:
             for _ in range(STATE_REQUESTS_PER_MINUTE):
@@ -96,8 +100,7 @@ def test_one_peer_cannot_make_a_node_resend_a_rounds_message_in_a_loop() -> None
             server.publish(PAYLOAD, 0, round_, b"a round's message")
 
         async def fetch(peer: str, round_: int = 1) -> bytes:
-            request = wire.BlobRequest(kind=PAYLOAD, shard=0, round=round_)
-            return b"".join([piece.data async for piece in server._serve_blob(request, context(peer))])
+            return await served(server, wire.BlobRequest(kind=PAYLOAD, shard=0, round=round_), peer)
 
         async def scenario() -> None:
             for _ in range(COPIES_PER_MINUTE):

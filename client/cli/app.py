@@ -105,26 +105,20 @@ def _run_configs(
     sparseloco: SparseLoCoConfig,
     pipeline: PipelineConfig,
     config: Path | None,
-) -> tuple[dict[str, object], set[str]]:
-    """The run definition from defaults, `--config run.toml` and explicit options (which win), and which
-    options were explicit."""
+) -> tuple[dict[str, object], set[str], set[str]]:
+    """The run definition from defaults, `--config run.toml` and explicit options (which win), which options were
+    explicit, and which the operator chose (explicit, or set in the run file)."""
     from hetero_node.client.node.run_definition import apply_run_file, load_run_file
 
     explicit = explicit_options(context)
     configs: dict[str, object] = {
         "run": run_options, "outer": outer, "optim": optim, "sparseloco": sparseloco, "pipeline": pipeline,
     }  # fmt: skip
-    if config is not None:
-        configs = apply_run_file(configs, load_run_file(config), explicit)
-    return configs, explicit
-
-
-def _chosen_options(explicit: set[str], config: Path | None) -> set[str]:
-    """Options the operator chose: given explicitly, or set in the run file."""
-    from hetero_node.client.node.run_definition import load_run_file
-
-    in_file = {key for table in (load_run_file(config) if config is not None else {}).values() for key in table}
-    return explicit | in_file
+    if config is None:
+        return configs, explicit, explicit
+    run_file = load_run_file(config)
+    in_file = {key for table in run_file.values() for key in table}
+    return apply_run_file(configs, run_file, explicit), explicit, explicit | in_file
 
 
 def _lend_relay(relay: RelayConfig) -> None:
@@ -158,9 +152,8 @@ def bootstrap(
     from hetero_node.bootstrap.node import BootstrapNode
     from hetero_node.client.node.run_definition import data_source_name, prepare_run, public_swarm_rule
 
-    configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
-    chosen = "aggregation" in _chosen_options(explicit, config)
-    configs["outer"] = public_swarm_rule(configs["outer"], chosen, cfg.swarm_key is not None)
+    configs, _, chosen = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    configs["outer"] = public_swarm_rule(configs["outer"], "aggregation" in chosen, cfg.swarm_key is not None)
     run, _store = prepare_run(*configs.values())
     _lend_relay(relay)
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
@@ -233,7 +226,7 @@ def join(
         from hetero_node.client.local.devices import resolve_devices
 
         resolve_devices(node.device, node.devices)
-    configs, explicit = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    configs, explicit, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     _lend_relay(relay)
     if quiet or not console.is_terminal:
         round_log = RoundLog()
@@ -359,6 +352,6 @@ def plan(
     with predicted round time, tokens/s, utilisation and bytes per peer, next to the live planner or the swarm now."""
     from hetero_node.client.cli.plan import print_plan, run_plan, sizing_run
 
-    configs, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    configs, _, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
     result, peers, baseline = run_plan(cfg, sizing_run(*configs.values()))
     print_plan(result, peers, cfg, console, baseline)
