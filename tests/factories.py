@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from hetero_node.bench.samples import record_fields as record_fields  # re-exported for the tests
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig
+from hetero_node.protocol.sparseloco import ErrorFeedbackCompressor, SparseLoCoConfig, SparseMessage
 
 
 def run_config(
@@ -42,3 +45,19 @@ def peer_id(name: str) -> str:
 
 def peer_record(name: str, **changes: Any) -> PeerRecord:
     return PeerRecord(**record_fields(peer_id(name), **changes))
+
+
+MESSAGE_SHAPES = [(256, 128), (1000,)]
+"""A parameter shard of two tensors, for SparseLoCo messages."""
+
+
+def correlated_messages(count: int, seed: int = 0, noise: float = 1.0) -> list[SparseMessage]:
+    """Messages of one common step plus each sender's own noise: honest pseudo-gradients of one θ(t) agree."""
+    gen = torch.Generator().manual_seed(seed)
+    common = [torch.randn(s, generator=gen) for s in MESSAGE_SHAPES]
+    return [
+        ErrorFeedbackCompressor(MESSAGE_SHAPES, SparseLoCoConfig()).compress(
+            [c + noise * torch.randn(c.shape, generator=gen) for c in common]
+        )
+        for _ in range(count)
+    ]

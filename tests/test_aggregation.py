@@ -16,9 +16,10 @@ from hetero_node.protocol.sparseloco import (
     SparseMessage,
     decompress,
 )
+from tests.factories import MESSAGE_SHAPES, correlated_messages
 
 TINY = SparseLoCoConfig(chunk=2, topk=2)  # vectors in chunks of 4 entries, 2 kept per chunk
-SHAPES = [(256, 128), (1000,)]
+SHAPES = MESSAGE_SHAPES
 
 
 def _vector_message(indices: list[int], codes: list[int], lookup: tuple[float, float, float, float]) -> SparseMessage:
@@ -145,60 +146,70 @@ HONEST_LOOKUP = (-2.0, -1.0, 0.0, 4.0)
 
 
 def _honest_pair() -> list[SparseMessage]:
-    """Two honest messages selecting positions 0, 1, 4, 5 with the same values multiset (equal norms)."""
+    """Two honest messages selecting positions 0, 1, 4, 5 with the same values multiset (equal norms), pointing the
+    same way (dot product 20), as honest steps of one θ(t) do: the robust rule leaves out a member that disagrees."""
     return [
         _vector_message([0, 1, 0, 1], [3, 1, 0, 2], HONEST_LOOKUP),  # 4, -1, -2, 0
-        _vector_message([0, 1, 0, 1], [1, 3, 2, 0], HONEST_LOOKUP),  # -1, 4, 0, -2
+        _vector_message([0, 1, 0, 1], [3, 2, 0, 1], HONEST_LOOKUP),  # 4, 0, -2, -1
     ]
 
 
 def test_robust_rule_bounds_a_value_that_only_the_attacker_selected() -> None:
-    # positions 2, 3, 6, 7: three zeros and one huge value, the attacker's whole budget on one coordinate
-    attacker = _vector_message([2, 3, 2, 3], [0, 0, 0, 3], (0.0, 0.0, 0.0, 1e4))
+    # positions 0, 3, 6, 7: a small value agreeing with the honest pair at 0, then the whole budget on position 7
+    attacker = _vector_message([0, 3, 2, 3], [2, 0, 0, 3], (0.0, 0.0, 1.0, 1e4))
     mean = aggregate([*_honest_pair(), attacker], [(8,)])
     robust = aggregate([*_honest_pair(), attacker], [(8,)], robust=True)
+    assert robust.used == [0, 1, 2]  # it agrees with both, so agreement admission keeps it
     honest_norm = math.sqrt(16 + 1 + 4)
     assert mean.tensors[0][7].item() == pytest.approx(honest_norm, rel=1e-5)  # clipped in norm, undiluted
     # robust: clipped to the honest norm (4.58), clamped to the median peak (4), divided by all three weights
     assert robust.tensors[0][7].item() == pytest.approx(4.0 / 3, rel=1e-6)
     assert robust.tensors[0][[2, 3, 6]].tolist() == [0.0, 0.0, 0.0]
-    # coordinates the two honest peers selected: their sum over the three members (the mean rule: over the two)
-    assert robust.tensors[0][[0, 1, 4, 5]].tolist() == pytest.approx([1.0, 1.0, -2 / 3, -2 / 3])
-    assert mean.tensors[0][[0, 1, 4, 5]].tolist() == pytest.approx([1.5, 1.5, -1.0, -1.0])
+    # coordinates only the two honest peers selected: their sum over the three members (the mean rule: over the two)
+    assert robust.tensors[0][[1, 4, 5]].tolist() == pytest.approx([-1 / 3, -4 / 3, -1 / 3])
+    assert mean.tensors[0][[1, 4, 5]].tolist() == pytest.approx([-0.5, -2.0, -0.5])
 
 
 def test_robust_rule_counts_a_claimed_token_count_at_most_as_the_median_and_the_mean_rule_as_four() -> None:
-    flipped = _vector_message([0, 1, 0, 1], [0, 2, 3, 1], (-4.0, 0.0, 1.0, 2.0))  # −(first honest message)
-    robust = aggregate([*_honest_pair(), flipped], [(8,)], weights=[1.0, 1.0, 1000.0], robust=True)
+    heavy = _vector_message([0, 1, 0, 1], [3, 2, 0, 1], (-1.0, -0.5, 0.0, 2.0))  # 2, 0, -1, -0.5: it agrees
+    robust = aggregate([*_honest_pair(), heavy], [(8,)], weights=[1.0, 1.0, 1000.0], robust=True)
     assert robust.weights == [1.0, 1.0, 1.0]
-    mean = aggregate([*_honest_pair(), flipped], [(8,)], weights=[1.0, 1.0, 1000.0])
-    # the mean rule counts the claim as 4 median members (it once let the liar decide position 0, ≈ its −4)
+    mean = aggregate([*_honest_pair(), heavy], [(8,)], weights=[1.0, 1.0, 1000.0])
+    # the mean rule counts the claim as 4 median members (it once let the liar decide position 0)
     assert mean.weights == [0.25, 0.25, 1.0]
-    assert mean.tensors[0][0].item() == pytest.approx((4 * 0.25 - 1 * 0.25 - 4) / 1.5, rel=1e-6)
-    assert robust.tensors[0][0].item() == pytest.approx((4 - 1 - 4) / 3, rel=1e-6)
+    assert mean.tensors[0][0].item() == pytest.approx((4 * 0.25 + 4 * 0.25 + 2) / 1.5, rel=1e-6)
+    # the heavy member's step is half the honest norm: it fills half its allowance, so it counts as half a member
+    assert robust.tensors[0][0].item() == pytest.approx((4 + 4 + 2) / (1 + 1 + 0.5), rel=1e-6)
 
 
 def test_robust_rule_keeps_one_tensors_budget_in_that_tensor() -> None:
     """Per-tensor clipping: an attacker quiet in one tensor cannot spend that tensor's budget in another."""
-    honest = _messages([1.0, 1.0, 1.0])
+    honest = correlated_messages(3)
     budget = contribution_norm(honest[2])
     first = honest[2].tensors[0]
+    dense = [decompress(m)[0].flatten() for m in honest]
+    positions = honest[2].plan(0).positions(first.indices)
+    agree = (dense[0][positions] * dense[2][positions] > 0) & (dense[1][positions] * dense[2][positions] > 0)
+    entry = int(agree.nonzero()[0])  # an entry all three sent with one sign: the attacker is admitted
     one_code = torch.zeros_like(first.codes)
-    one_code[0] = 3  # the whole message's norm on one coordinate of the first tensor
-    loud = CompressedTensor(first.shape, first.indices, one_code, 0.0, (0.0, 0.0, 0.0, budget))
+    one_code[entry] = 3  # the whole message's norm on that one coordinate of the first tensor
+    sign = 1.0 if float(dense[2][positions[entry]]) > 0 else -1.0
+    loud = CompressedTensor(first.shape, first.indices, one_code, 0.0, (0.0, 0.0, 0.0, sign * budget))
     quiet = honest[2].tensors[1]
     silent = CompressedTensor(quiet.shape, quiet.indices, quiet.codes, 0.0, (0.0, 0.0, 0.0, 0.0))
     attack = SparseMessage(honest[2].chunk, honest[2].topk, (loud, silent))
     clean = aggregate(honest[:2], SHAPES, robust=True)
     attacked = aggregate([*honest[:2], attack], SHAPES, robust=True)
+    assert attacked.used == [0, 1, 2]
     peak = max(float(t.abs().max()) for t in clean.tensors)
     assert float(attacked.tensors[0].abs().max()) <= peak * 1.01
     assert float(aggregate([*honest[:2], attack], SHAPES).tensors[0].abs().max()) > 5 * peak
 
 
 def test_robust_rule_is_deterministic_and_equal_to_the_mean_when_everyone_selects_alike() -> None:
-    first = aggregate(_messages([1.0, 2.0, 0.5, 3.0], seed=5), SHAPES, robust=True)
-    second = aggregate(_messages([1.0, 2.0, 0.5, 3.0], seed=5), SHAPES, robust=True)
+    first = aggregate(correlated_messages(4, seed=5), SHAPES, robust=True)
+    second = aggregate(correlated_messages(4, seed=5), SHAPES, robust=True)
+    assert first.used == [0, 1, 2, 3]
     assert all(torch.equal(a, b) for a, b in zip(first.tensors, second.tensors, strict=True))
     same = _honest_pair()[:1] * 3
     robust, mean = aggregate(same, [(8,)], robust=True), aggregate(same, [(8,)])
