@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 SCALE = 100.0
 """`scale`: how much the attacker multiplies its honest pseudo-gradient by."""
+DILUTE = 1e-3
+"""`dilute`: how much the attacker shrinks its honest pseudo-gradient by (it agrees, and adds nothing)."""
+NOISE = 3.0
+"""`noise`: the norm of the random step the attacker adds to its honest one, in units of that one's norm."""
 CLAIMED_TOKENS = 1000
 """`heavy-flip`: how many times an honest replica's tokens the attacker claims to have trained."""
 DEVICE = torch.device("cpu")
@@ -129,11 +133,19 @@ def head_row_deltas(attacker: Member, budget: float, token: int = 0) -> list[lis
     return deltas
 
 
-def concentrated_messages(attacker: Member, honest: list[SparseMessage]) -> list[SparseMessage]:
-    """`head_row_deltas` through a compressor of its own (no error feedback), in the honest shape of the message."""
+def concentrated_messages(
+    attacker: Member, honest: list[SparseMessage], start: list[list[torch.Tensor]] | None = None
+) -> list[SparseMessage]:
+    """`head_row_deltas` through a compressor of its own (no error feedback), in the honest shape of the message.
+    With `start`, every other tensor carries the attacker's honest Δ, so its step agrees with the others' overall
+    (agreement admission counts it) while the head row takes its budget there."""
     budget = math.sqrt(math.fsum(contribution_norm(m) ** 2 for m in honest))
     out = []
-    for method, deltas in zip(attacker.methods, head_row_deltas(attacker, budget), strict=True):
+    for s, (method, deltas) in enumerate(zip(attacker.methods, head_row_deltas(attacker, budget), strict=True)):
+        if start is not None:
+            own = [b - p.detach() for b, p in zip(start[s], attacker.shards[s], strict=True)]
+            head = attacker.shard_names[s].index("head.weight") if "head.weight" in attacker.shard_names[s] else -1
+            deltas = [d if i == head else o for i, (d, o) in enumerate(zip(deltas, own, strict=True))]
         config = dataclasses.replace(method.config, ef_decay=0.0)
         out.append(ErrorFeedbackCompressor(method.shapes, config).compress(deltas))
     return out
@@ -150,6 +162,24 @@ def negated_messages(attacker: Member, honest: list[list[SparseMessage]]) -> lis
     return out
 
 
+def noisy_messages(attacker: Member, start: list[list[torch.Tensor]]) -> list[SparseMessage]:
+    """Its Δ plus a random step `NOISE` times as long, through a compressor of its own: it still points the honest
+    way a little (cosine ~1/3 with its own Δ), so agreement admission counts it, and the rule clips it to the
+    median norm, most of which is noise."""
+    gen = torch.Generator().manual_seed(attacker.trainer.step)  # a new direction every round
+    out = []
+    for method, begin, params in zip(attacker.methods, start, attacker.shards, strict=True):
+        deltas = [s - p.detach() for s, p in zip(begin, params, strict=True)]
+        norm = math.sqrt(math.fsum(float(d.double().square().sum()) for d in deltas))
+        noise = [torch.randn(d.shape, generator=gen) for d in deltas]
+        noise_norm = math.sqrt(math.fsum(float(n.double().square().sum()) for n in noise))
+        steps = [d + (NOISE * norm / noise_norm) * n for d, n in zip(deltas, noise, strict=True)]
+        out.append(
+            ErrorFeedbackCompressor(method.shapes, dataclasses.replace(method.config, ef_decay=0.0)).compress(steps)
+        )
+    return out
+
+
 def attacker_messages(
     attack: str, attacker: Member, start: list[list[torch.Tensor]], honest_sent: list[list[SparseMessage]]
 ) -> list[SparseMessage]:
@@ -159,6 +189,10 @@ def attacker_messages(
         return attacker.messages(start, sign=SCALE)
     if attack == "blind-negate":
         return attacker.messages(start, sign=-SCALE)
+    if attack == "dilute":
+        return attacker.messages(start, sign=DILUTE)
+    if attack == "noise":
+        return noisy_messages(attacker, start)
     if attack == "negate":
         return negated_messages(attacker, honest_sent)
     if attack in ("sign-flip", "heavy-flip"):
@@ -168,6 +202,8 @@ def attacker_messages(
         return [zero_message(m) for m in honest]
     if attack == "concentrate":
         return concentrated_messages(attacker, honest)
+    if attack == "hidden-concentrate":
+        return concentrated_messages(attacker, honest, start)
     attacker.fixed = attacker.fixed or honest
     return [fixed_top_message(t, m) for t, m in zip(attacker.fixed, honest, strict=True)]
 

@@ -207,24 +207,29 @@ class SlowLinkConfig:
 
 BYZANTINE_ATTACKS = (
     "scale", "sign-flip", "heavy-flip", "fixed-top", "concentrate", "zero", "collude", "negate", "blind-negate",
+    "dilute", "noise", "hidden-concentrate",
 )  # fmt: skip
 """scale: its honest Δ ×100; sign-flip: −Δ (gradient ascent); heavy-flip: −Δ claiming 1000× the tokens; fixed-top:
 the same coordinates at the top centroid every round; concentrate: the whole norm budget on one row of the head, along
 the mean final hidden state (one token's logit up everywhere); zero: an all-zero message; collude: two peers sending
 the same fixed-top message; negate: −100× the honest members' mean step, read from their messages before it sends
 its own (what serving messages before statements allowed); blind-negate: −100× its own Δ, the most an attacker that
-must state its digest before it can read any message (commit, then reveal) can aim at the honest step."""
+must state its digest before it can read any message (commit, then reveal) can aim at the honest step; dilute: its
+Δ × 10⁻³ (it agrees with everyone, so the robust rule's agreement admission counts it, and it adds nothing); noise:
+its Δ plus a random step three times as long (it agrees a little and is mostly noise); hidden-concentrate: the
+head-row push in the head tensor and its honest Δ in every other one (it agrees overall)."""
 
 
 @dataclass(frozen=True)
 class ByzantineConfig:
-    """Which attacks against which aggregation rules, in which groups; defaults take about 10 minutes on 2 cores."""
+    """Which attacks against which aggregation rules, in which groups; one seed of the defaults takes about 35
+    minutes on 2 cores (12 rounds: the head-row push broke the robust rule at round 7, after the 6 rounds once run)."""
 
     attacks: str = field(default=",".join(BYZANTINE_ATTACKS), metadata={"help": "Comma-separated attacks."})
     rules: str = field(default="mean,robust", metadata={"help": "Aggregation rules to compare: mean, robust."})
     honest: str = field(default="4,2", metadata={"help": "Group sizes of honest replicas (one attacker each)."})
     preset: str = field(default="tiny", metadata={"help": "Model preset."})
-    rounds: int = field(default=6, metadata={"help": "Outer rounds after the warm start."})
+    rounds: int = field(default=12, metadata={"help": "Outer rounds after the warm start."})
     inner_steps: int = field(default=20, metadata={"help": "H: inner steps per replica per round."})
     warm_steps: int = field(default=150, metadata={"help": "Steps of one replica before the swarm starts from it."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per inner step."})
