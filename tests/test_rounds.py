@@ -79,7 +79,9 @@ def test_a_slow_replica_contributes_with_its_tokens_weight_and_overlapped_replic
     rounds = 5
     with LocalSwarm(tmp_path) as swarm, slow_machine() as (slow_hook, slow_options):
         # 4 s rounds: longer than a group's grace period (3 s matchmaking here), as real rounds are
-        peers = swarm.start_bootstrap(run_args(rounds, inner_steps=12, round_s=4, overlap=True))
+        # the mean rule, named (a public swarm's default is the robust one), is what `reference_update` writes out
+        run = [*run_args(rounds, inner_steps=12, round_s=4, overlap=True), "--aggregation", "mean"]
+        peers = swarm.start_bootstrap(run)
         for i in range(3):
             args = join_args(peers, i, tmp_path, min_peers=3, **(slow_options if i == 2 else {}))
             hook = slow_hook if i == 2 else None
