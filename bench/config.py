@@ -223,7 +223,8 @@ head-row push in the head tensor and its honest Δ in every other one (it agrees
 @dataclass(frozen=True)
 class ByzantineConfig:
     """Which attacks against which aggregation rules, in which groups; one seed of the defaults takes about 35
-    minutes on 2 cores (12 rounds: the head-row push broke the robust rule at round 7, after the 6 rounds once run)."""
+    minutes on 2 cores (12 rounds: the head-row push broke the old robust rule after its 5th round, and the lab
+    once ran 6)."""
 
     attacks: str = field(default=",".join(BYZANTINE_ATTACKS), metadata={"help": "Comma-separated attacks."})
     rules: str = field(default="mean,robust", metadata={"help": "Aggregation rules to compare: mean, robust."})
