@@ -183,8 +183,8 @@ def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path:
 # this checks that a stock `hivemind-dht` entry point works too
 @pytest.mark.long
 def test_stock_hivemind_dht_bootstraps_hetero_node_peers(tmp_path: Path) -> None:
-    """A plain `hivemind-dht` announces no run: peers use their own run options, find each other, and read
-    each other's signed records through it."""
+    """A plain `hivemind-dht` announces no run: peers use their own run options (with a public swarm's default
+    rule), find each other, and read each other's signed records through it."""
     with LocalSwarm(tmp_path) as swarm:
         log = (tmp_path / "stock.log").open("w")
         # it prints its address at INFO; in-process CLI tests may have left WARNING in this process's environment
@@ -207,7 +207,9 @@ def test_stock_hivemind_dht_bootstraps_hetero_node_peers(tmp_path: Path) -> None
                 swarm.start(f"r{i}", ["--log-level", "INFO", *join(peers, run, role="full", **node)])
             for i in range(2):
                 code = swarm.wait(f"r{i}", 240)
-                assert code == 0, swarm.log_path(f"r{i}").read_text()[-3000:]
+                text = swarm.log_path(f"r{i}").read_text()
+                assert code == 0, text[-3000:]
+                assert "own run options (robust aggregation)" in text  # a public swarm's default, named by nobody
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(stock.pid, signal.SIGKILL)

@@ -153,7 +153,9 @@ def bootstrap(
     from hetero_node.client.node.run_definition import data_source_name, prepare_run, public_swarm_rule
 
     configs, _, chosen = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
-    configs["outer"] = public_swarm_rule(configs["outer"], "aggregation" in chosen, cfg.swarm_key is not None)
+    rule = public_swarm_rule(configs["outer"], "aggregation" in chosen, cfg.swarm_key is not None)
+    default = " (a public swarm's default; --aggregation mean for the mean rule)" if rule != configs["outer"] else ""
+    configs["outer"] = rule
     run, _store = prepare_run(*configs.values())
     _lend_relay(relay)
     node = BootstrapNode(cfg, run, data_source_name(configs["run"]))
@@ -162,7 +164,7 @@ def bootstrap(
     console.print(f"bootstrap peer id: {node.dht.peer_id}", markup=False, highlight=False)
     console.print(
         f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}, "
-        f"{run.outer.aggregation} aggregation", markup=False,
+        f"{run.outer.aggregation} aggregation{default}", markup=False,
     )  # fmt: skip
     console.print("volunteers join with:", markup=False)
     console.print(f"  {join_line(node.join_addresses[0])}", markup=False, highlight=False, soft_wrap=True)
@@ -214,6 +216,7 @@ def join(
     """Join a swarm: learn its run from the bootstrap, measure this node, take the role that helps most, train."""
     from hetero_node.client.cli.progress import ROUND_LOG, RoundLog
     from hetero_node.client.node.join import run_node
+    from hetero_node.client.node.run_definition import public_swarm_rule
     from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
 
     if not node.peers:
@@ -226,7 +229,9 @@ def join(
         from hetero_node.client.local.devices import resolve_devices
 
         resolve_devices(node.device, node.devices)
-    configs, explicit, _ = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    configs, explicit, chosen = _run_configs(context, run_options, outer, optim, sparseloco, pipeline, config)
+    # what this node runs when its --peers announce no run (a swarm it starts itself); an announced run wins
+    configs["outer"] = public_swarm_rule(configs["outer"], "aggregation" in chosen, node.swarm_key is not None)
     _lend_relay(relay)
     if quiet or not console.is_terminal:
         round_log = RoundLog()

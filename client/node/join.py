@@ -210,7 +210,8 @@ def run_node(
                 raise ConfigError("this swarm is public: drop --swarm-key (its peers could not read our record)")
             run, store = adopt_announced_run(announcement, configs, explicit)
         else:
-            logger.warning("no peer in --peers announces a run; using this node's own run options")
+            logger.warning("no peer in --peers announces a run; using this node's own run options (%s aggregation)",
+                           configs["outer"].aggregation)  # fmt: skip
             run, store = prepare_run(*configs.values())
         devices = resolve_devices(node.device, node.devices)
         requested_role = role_for_run(run, requested_role, len(devices))

@@ -78,13 +78,12 @@ def prepare_run(
 def public_swarm_rule(outer: OuterConfig, chosen: bool, private: bool) -> OuterConfig:
     """The aggregation rule a swarm runs when its operator named none (`chosen`: an option or run.toml did):
     `robust` in a public swarm, where anyone may send well-formed lies (the mean rule let one member's whole norm on
-    one row of the output head take `tiny` from 2.35 to 6.17 in six rounds, the robust rule +0.4%), the mean rule
-    in a private one, whose members hold the swarm key (robust costs honest replicas much of their step: four of
+    one row of the output head take `tiny` from 2.35 to 6.17 in six rounds; the robust rule leaves it out), the mean
+    rule in a private one, whose members hold the swarm key (robust costs honest replicas much of their step: four of
     them made about half the mean rule's loss decrease in 12 lab rounds; bench/README.md, *Liars with well-formed
     messages*). DiLoCo has the mean rule only."""
     if chosen or private or not outer_spec(outer.outer).sparse or outer.aggregation == "robust":
         return outer
-    logger.info("a public swarm: aggregating with the robust rule (--aggregation mean to choose the mean rule)")
     return dataclasses.replace(outer, aggregation="robust")
 
 
