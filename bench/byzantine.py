@@ -81,11 +81,15 @@ class Member:
         for i in range(steps):
             self.trainer.train_step(*self.batches.batch(round_ * steps + i))
 
+    def deltas(self, start: list[list[torch.Tensor]], shard: int) -> list[torch.Tensor]:
+        """Δ = θ(t) − θ_local of one parameter shard."""
+        return [s - p.detach() for s, p in zip(start[shard], self.shards[shard], strict=True)]
+
     def messages(self, start: list[list[torch.Tensor]], sign: float = 1.0) -> list[SparseMessage]:
         """This round's message per shard, through the real codec: sign·Δ encoded to bytes and decoded."""
         out = []
-        for method, begin, params in zip(self.methods, start, self.shards, strict=True):
-            deltas = [sign * (s - p.detach()) for s, p in zip(begin, params, strict=True)]
+        for shard, method in enumerate(self.methods):
+            deltas = [sign * d for d in self.deltas(start, shard)]
             out.append(method.decode(method.encode(deltas).payload))
         return out
 
@@ -94,6 +98,12 @@ class Member:
         for params, tensors in zip(self.shards, new, strict=True):
             for p, value in zip(params, tensors, strict=True):
                 p.copy_(value)
+
+
+def one_shot(method: OuterMethod, steps: list[torch.Tensor]) -> SparseMessage:
+    """`steps` through a compressor of the attacker's own, without error feedback: a well-formed message of them."""
+    config = dataclasses.replace(method.config, ef_decay=0.0)
+    return ErrorFeedbackCompressor(method.shapes, config).compress(steps)
 
 
 def _with_values(part: CompressedTensor, codes: torch.Tensor, lookup: tuple[float, float, float, float]) -> Any:
@@ -143,11 +153,10 @@ def concentrated_messages(
     out = []
     for s, (method, deltas) in enumerate(zip(attacker.methods, head_row_deltas(attacker, budget), strict=True)):
         if start is not None:
-            own = [b - p.detach() for b, p in zip(start[s], attacker.shards[s], strict=True)]
-            head = attacker.shard_names[s].index("head.weight") if "head.weight" in attacker.shard_names[s] else -1
-            deltas = [d if i == head else o for i, (d, o) in enumerate(zip(deltas, own, strict=True))]
-        config = dataclasses.replace(method.config, ef_decay=0.0)
-        out.append(ErrorFeedbackCompressor(method.shapes, config).compress(deltas))
+            names = attacker.shard_names[s]
+            deltas = [d if name == "head.weight" else o for name, d, o in zip(names, deltas, attacker.deltas(start, s),
+                                                                                 strict=True)]  # fmt: skip
+        out.append(one_shot(method, deltas))
     return out
 
 
@@ -157,8 +166,7 @@ def negated_messages(attacker: Member, honest: list[list[SparseMessage]]) -> lis
     out = []
     for s, method in enumerate(attacker.methods):
         mean = aggregate([sent[s] for sent in honest], method.shapes).tensors
-        config = dataclasses.replace(method.config, ef_decay=0.0)
-        out.append(ErrorFeedbackCompressor(method.shapes, config).compress([-SCALE * t for t in mean]))
+        out.append(one_shot(method, [-SCALE * t for t in mean]))
     return out
 
 
@@ -168,16 +176,16 @@ def noisy_messages(attacker: Member, start: list[list[torch.Tensor]]) -> list[Sp
     median norm, most of which is noise."""
     gen = torch.Generator().manual_seed(attacker.trainer.step)  # a new direction every round
     out = []
-    for method, begin, params in zip(attacker.methods, start, attacker.shards, strict=True):
-        deltas = [s - p.detach() for s, p in zip(begin, params, strict=True)]
-        norm = math.sqrt(math.fsum(float(d.double().square().sum()) for d in deltas))
+    for shard, method in enumerate(attacker.methods):
+        deltas = attacker.deltas(start, shard)
         noise = [torch.randn(d.shape, generator=gen) for d in deltas]
-        noise_norm = math.sqrt(math.fsum(float(n.double().square().sum()) for n in noise))
-        steps = [d + (NOISE * norm / noise_norm) * n for d, n in zip(deltas, noise, strict=True)]
-        out.append(
-            ErrorFeedbackCompressor(method.shapes, dataclasses.replace(method.config, ef_decay=0.0)).compress(steps)
-        )
+        scale = NOISE * _norm(deltas) / _norm(noise)
+        out.append(one_shot(method, [d + scale * n for d, n in zip(deltas, noise, strict=True)]))
     return out
+
+
+def _norm(tensors: list[torch.Tensor]) -> float:
+    return math.sqrt(math.fsum(float(t.double().square().sum()) for t in tensors))
 
 
 def attacker_messages(

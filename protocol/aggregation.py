@@ -232,9 +232,9 @@ def _robust(
     """
     verdict = judge(contributions, shapes, weights, used)
     kept, bounds = verdict.kept, verdict.bounds
-    for i in used:
-        if i not in kept:
-            logger.warning("leaving out SparseLoCo contribution from %s: %s", names[i], DISAGREES)
+    left_out = [i for i in used if i not in kept]
+    for i in left_out:
+        logger.warning("leaving out SparseLoCo contribution from %s: %s", names[i], DISAGREES)
     for t, k in sorted(verdict.silenced):
         logger.info("leaving out tensor %d of %s's contribution: it points against most members' there", t,
                     names[kept[k]])  # fmt: skip
@@ -250,7 +250,7 @@ def _robust(
             total.index_add_(0, positions, values * torch.tensor(w, dtype=torch.float32, device=device))
         tensors.append((total / torch.tensor(divisor, dtype=torch.float32, device=device)).view(tuple(shape)))
     clip_factors = [min(per_tensor[k] for per_tensor in bounds.factors) if shapes else 1.0 for k in range(len(kept))]
-    dropped = sorted([*dropped, *((i, DISAGREES) for i in used if i not in kept)])
+    dropped = sorted([*dropped, *((i, DISAGREES) for i in left_out)])
     return AggregateResult(tensors, kept, dropped, clip_factors, bounds.relative)
 
 
