@@ -7,6 +7,7 @@ from factories import peer_id, peer_record
 from hetero_node.client.swarm.view import (
     certified_fingerprint,
     coming_members,
+    held_fingerprint,
     replica_count,
     shard_donors,
     shard_members,
@@ -120,6 +121,28 @@ def test_a_fingerprint_is_vouched_for_by_a_strict_majority_of_the_others_at_its_
     assert vouched_fingerprint(records, 6, "0", peer_id("x0")) == "c" * 32  # alone at its round
     assert vouched_fingerprint(records, 7, "0", peer_id("x0")) is None  # nobody there
     assert vouched_fingerprint(records, 5, "1", peer_id("x0")) is None  # nobody advertises shard 1
+
+
+def test_a_peer_that_voided_the_rounds_since_its_certified_one_still_vouches_for_their_tables() -> None:
+    """A stage 1 that voided round 2 asked for T_fixed(3) from peers at round 3, while its stage 0, alone after the
+    full replica left, voided rounds 3, 4, ... and never stood at round 3 when asked: it re-synced round 2 for as
+    long as the run lasted. A record holding a certified θ(c) at round r held the same tables at every round in
+    between."""
+
+    def at(name: str, round_: int, certified: int, fp: str) -> tuple[str, object]:
+        record = peer_record(name, role=ROLE_STAGE, round=round_, certified=certified, fingerprints={"fixed": fp})
+        return peer_id(name), record
+
+    alone = dict([at("s0", 13, 2, "a" * 32)])
+    assert vouched_fingerprint(alone, 3, "fixed", me="") is None  # nobody stands at round 3
+    assert held_fingerprint(alone, 3, "fixed", me="") == "a" * 32  # voided 2..12: its table is that of round 3
+    assert held_fingerprint(alone, 1, "fixed", me="") is None  # certified round 2: its table may differ from 1's
+    assert held_fingerprint(alone, 14, "fixed", me="") is None  # not there yet
+    assert held_fingerprint(alone, 3, "fixed", me=peer_id("s0")) is None  # our own word is no vouching
+    moved = {**alone, **dict([at("f1", 4, 3, "b" * 32), at("f2", 3, 3, "b" * 32)])}  # two that certified round 2
+    assert held_fingerprint(moved, 3, "fixed", me="") == "b" * 32  # two of three
+    assert held_fingerprint(moved, 4, "fixed", me="") is None  # a tie: s0 and f1 voided on from different tables
+    assert held_fingerprint(moved, 3, "0", me="") is None  # nobody advertises shard 0
 
 
 def test_a_tie_of_starts_goes_to_the_start_a_certified_round_led_to() -> None:

@@ -8,6 +8,7 @@ from factories import peer_id, peer_record
 
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.work_ledger import (
+    ALIVE_S,
     ANSWERED,
     ASKING,
     FORGET_S,
@@ -86,6 +87,20 @@ def test_votes_count_working_peers_else_those_that_answered_else_nobody() -> Non
     ledger.note_work(list(honest)[:3], NOW)
     assert set(ledger.voters(records, NOW)) == set(list(honest)[:3])  # work outranks mere liveness
     assert ledger.voters(records, NOW + WORK_MEMORY_S + 1) is None  # work and answers are remembered, not for ever
+
+
+def test_our_own_work_is_no_vote_and_does_not_stop_the_count_at_ourselves() -> None:
+    """A stage peer whose known workers were itself and a full replica that left counted itself alone: every vote it
+    took had no other voice, and it never learnt that its sibling stage was rounds ahead (the VR stalled for good)."""
+    me, sibling, gone = peer_id("s1"), peer_id("s0"), peer_id("r0")
+    records = {pid: peer_record(name, role=ROLE_STAGE) for pid, name in ((me, "s1"), (sibling, "s0"))}
+    ledger = WorkLedger()
+    ledger.note_work([me, gone], NOW)  # the certificates of our shard: ourselves and the full replica
+    assert ledger.voters(records, NOW, me) == {me: records[me]}  # nobody else is known: the caller challenges
+    ledger.note_challenge(sibling, ANSWERED, NOW)
+    assert set(ledger.voters(records, NOW, me)) == {me, sibling}  # those that answered, our own record kept
+    ledger.note_work([sibling], NOW)
+    assert set(ledger.voters(records, NOW + ALIVE_S + 1, me)) == {me, sibling}  # work lasts longer than an answer
 
 
 def test_a_round_waits_for_every_peer_but_those_that_did_not_answer_their_last_challenge() -> None:

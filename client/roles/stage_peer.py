@@ -274,20 +274,22 @@ class StagePeer(Replica):
             records = self.records()
             mate = self.schedule.neighbours.get(0)
             voters = self.runtime.voters(records)
-            vouched = {kind: view.vouched_fingerprint(voters, new_round, kind, self.me) for kind in (FIXED, EMBED)}
+            # peers that voided the rounds since hold the tables of `new_round` still (`view.spans`)
+            vouched = {kind: view.held_fingerprint(voters, new_round, kind, self.me) for kind in (FIXED, EMBED)}
             if self.holds_tables(vouched):  # shard 0's round was void: T_fixed did not move
                 return True
             # our own stage 0 first, then anyone holding the table that most peers of its round hold
             donors = sorted(
                 (pid != mate, pid)
                 for pid, r in records.items()
-                if r.round == new_round and FIXED in r.fingerprints and pid not in failed
+                if view.spans(r, new_round) and FIXED in r.fingerprints and pid not in failed
                 and r.fingerprints[FIXED] == vouched[FIXED]
             )  # fmt: skip
-            if any(self.follow_embedding(pid, new_round, vouched) for _, pid in donors):
+            there = [pid for _, pid in donors if records[pid].round == new_round]  # a change is served for its round
+            if any(self.follow_embedding(pid, new_round, vouched) for pid in there):
                 return True  # the change, from whoever serves it, before any whole table
             for _, pid in donors:
-                if self.fetch_tables(pid, records[pid], new_round, vouched):
+                if self.fetch_tables(pid, records[pid], vouched):
                     return True
                 if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
                     failed.add(pid)
@@ -326,15 +328,16 @@ class StagePeer(Replica):
         self.stage.embedding, self.embed_change = inside, change
         return True
 
-    def fetch_tables(self, donor: str, record: PeerRecord, new_round: int, vouched: dict[str, str | None]) -> bool:
+    def fetch_tables(self, donor: str, record: PeerRecord, vouched: dict[str, str | None]) -> bool:
         """T_fixed(t+1) whole from `donor`, and E_S(t+1) when it advertises the one the round's peers vouch for
-        (else we fetch both again next round)."""
-        fixed = self.states.fetch_table(donor, record, new_round, FIXED)
+        (else we fetch both again next round). Served under the donor's round, whose tables are those of t+1: its
+        record spans t+1."""
+        fixed = self.states.fetch_table(donor, record, record.round, FIXED)
         if fixed is None:
             return False
         self.stage.fixed_table.copy_(fixed)
         vouched_for = vouched[EMBED] is not None and record.fingerprints.get(EMBED) == vouched[EMBED]
-        self.stage.embedding = self.states.fetch_table(donor, record, new_round, EMBED) if vouched_for else None
+        self.stage.embedding = self.states.fetch_table(donor, record, record.round, EMBED) if vouched_for else None
         self.embed_change = None
         return True
 

@@ -497,12 +497,13 @@ class PeerRuntime:
         counts."""
         from hivemind.utils import get_dht_time
 
-        if not self.work.working(get_dht_time()) & records.keys():
+        me = str(self.peer_id)
+        if not self.work.working(get_dht_time()) & (records.keys() - {me}):
             # every peer not known either way is asked first: the few that answered before the others (a
             # background dial) are no vote (the poison bench's joiner counted a liar and one of two honest donors,
             # and the upper median of their rounds was the liar's, 1 run in 6 on a loaded machine)
             self.challenge(list(records), wait=True)
-        return self.work.voters(records, get_dht_time()) or {}
+        return self.work.voters(records, get_dht_time(), me) or {}
 
     def running(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
         """The records whose peers a round waits for and counts as live (`WorkLedger.running`): all but those that

@@ -105,6 +105,20 @@ def vouched_fingerprint(records: Records, round_: int, shard: str, me: str) -> s
     return _strict_majority(fps)
 
 
+def spans(record: PeerRecord, round_: int) -> bool:
+    """Whether what `record` advertises now is what its peer held at `round_`: every round from its certified one
+    to its current one was void for it (`PeerRecord.certified`), and a void round moves neither θ nor the tables."""
+    return record.certified <= round_ <= record.round
+
+
+def held_fingerprint(records: Records, round_: int, kind: str, me: str) -> str | None:
+    """`vouched_fingerprint` counting every other peer whose record `spans` `round_`, not only those still there: a
+    later stage whose sibling voided rounds alone learns from it that the table of `round_` did not move (waiting
+    for a peer at exactly `round_`, it re-synced the same round forever while stage 0 voided on)."""
+    fps = [r.fingerprints.get(kind) for pid, r in records.items() if pid != me and spans(r, round_)]
+    return _strict_majority([fp for fp in fps if fp is not None])
+
+
 def certified_fingerprint(records: Records, round_: int, shard: str) -> str | None:
     """The fingerprint of `shard` that more than half of the peers holding a certified θ(`round_`) advertise
     (`PeerRecord.certified` at `round_`): of two starts of a round, the one a certified round t−1 led to, not the one

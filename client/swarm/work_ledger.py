@@ -103,15 +103,18 @@ class WorkLedger:
     def _challenged(self, outcome: str, within_s: float, now: float) -> set[str]:
         return {peer for peer, (at, how) in self.challenged.items() if how == outcome and now - at <= within_s}
 
-    def voters(self, records: Mapping[str, PeerRecord], now: float) -> dict[str, PeerRecord] | None:
+    def voters(self, records: Mapping[str, PeerRecord], now: float, me: str = "") -> dict[str, PeerRecord] | None:
         """The records whose peers count in a vote (a majority of fingerprints, the swarm's round): the working
         ones when any of them is in `records`, else those that answered a challenge; None when neither is known
-        (`PeerRuntime.voters` challenges every peer not known either way first, when none is known working)."""
+        (`PeerRuntime.voters` challenges every peer not known either way first, when none is known working).
+        Our own record (`me`) is returned as it is but is no reason to stop looking: a stage peer whose known
+        workers were itself and a full replica that left counted itself alone, and never learnt its sibling's round."""
+        own = {me: records[me]} if me in records else {}
         for known in (self.working(now), self.alive(now)):
-            counted = {pid: r for pid, r in records.items() if pid in known}
+            counted = {pid: r for pid, r in records.items() if pid in known and pid != me}
             if counted:
-                return counted
-        return None
+                return {**counted, **own}
+        return own or None
 
     def keep(self, peers: Iterable[str], limit: int, now: float) -> list[str]:
         """At most `limit` of `peers`: working ones first, then those first seen earliest (incumbents), then in an
