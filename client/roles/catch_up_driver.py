@@ -91,7 +91,11 @@ class CatchingUp:
             # the round ends at the latest deadline its members announced (one late to it planned it later), within
             # one more round timeout of ours
             latest = max([ours, *(donors[pid].deadline for pid in still if donors[pid].train_round == t)])
-            if not still or get_dht_time() > min(latest, ours + self.timeouts.round_timeout_s) + patience:
+            # before our deadline a round is not over for lack of members in it: a stage that gave round t up at its
+            # start read the full replicas' records while they still took round t−1's result (train_round −1) and
+            # voided t, which they certified seconds later (the kill soak's last disagreeing round)
+            nobody = not still and get_dht_time() > ours
+            if nobody or get_dht_time() > min(latest, ours + self.timeouts.round_timeout_s) + patience:
                 break
             self.stop.wait(0.5)
         if self.stop.is_set():
