@@ -107,7 +107,7 @@ class WorkLedger:
         """The records whose peers count in a vote (a majority of fingerprints, the swarm's round): the working
         ones when any of them is in `records`, else those that answered a challenge; None when neither is known
         (`PeerRuntime.voters` challenges every peer not known either way first, when none is known working).
-        Our own record (`me`) is returned as it is but is no reason to stop looking: a stage peer whose known
+        Our own record (`me`) is always returned and never counts as knowing a working peer: a stage peer whose known
         workers were itself and a full replica that left counted itself alone, and never learnt its sibling's round."""
         own = {me: records[me]} if me in records else {}
         for known in (self.working(now), self.alive(now)):
