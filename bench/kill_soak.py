@@ -12,6 +12,9 @@ command line. The report says, from the peers' own metrics:
   and how much of that went on starting the process (kill to its checkpoint resumed) and how much on the round
   protocol (from then to contributing); a restart whose peer, or a stage of its pipeline, is hit again before it
   contributes is counted apart ("interrupted"): no protocol can bring it back in time;
+* of the start, the part before the node's first log line (the interpreter, its imports, p2pd and the DHT), beside
+  the same imports timed on the idle machine before the swarm starts (`idle_import_s`): the soak runs five nodes on
+  the machine's cores, so a restart's imports share the CPU with four training peers, which a volunteer's do not;
 * peers that did not exit 0 within 30 s of SIGTERM at the end, and processes (p2pd included) left running.
 """
 
@@ -24,6 +27,7 @@ import random
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -82,6 +86,22 @@ def rounds_of(path: Path) -> dict[int, dict[str, Any]]:
     return {r["round"]: r for r in read_metrics(path)[1] if "round" in r}
 
 
+NODE_MODULES = (
+    "hetero_node.client.node.join",
+    "hetero_node.client.roles.full_replica",
+    "hetero_node.client.roles.stage_peer",
+)
+"""What a joining node imports before it can run a role (torch and hivemind with them)."""
+
+
+def time_node_imports() -> float:
+    """Wall seconds a fresh interpreter takes to import `NODE_MODULES` (the baseline of a restart's start)."""
+    started = time.monotonic()
+    statement = "; ".join(f"import {module}" for module in NODE_MODULES)
+    subprocess.run([sys.executable, "-c", statement], check=True)
+    return round(time.monotonic() - started, 2)
+
+
 def p2pd_pids() -> set[int]:
     out = subprocess.run(["pgrep", "-f", "p2pd"], capture_output=True, text=True).stdout
     return {int(pid) for pid in out.split()}
@@ -95,6 +115,7 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
     faults = ["kill"] * cfg.kills + ["freeze"] * cfg.freezes
     rng.shuffle(faults)
     before_p2pd = p2pd_pids()
+    idle_import_s = time_node_imports()
     events: list[dict[str, Any]] = []
     groups: list[int] = []
     started = time.monotonic()
@@ -138,7 +159,7 @@ def run_kill_soak(cfg: KillSoakConfig, progress: Progress | None = None) -> dict
             exits[name] = {"code": code, "seconds": round(time.monotonic() - stopped, 1)}
     time.sleep(2)
     leftovers = sum(1 for pgid in groups if _group_alive(pgid)) + len(p2pd_pids() - before_p2pd)
-    report = analyse(cfg, names, workdir, events, exits, leftovers, time.monotonic() - started)
+    report = analyse(cfg, names, workdir, events, exits, leftovers, time.monotonic() - started, idle_import_s)
     write_report(cfg.out, report, render_markdown(report))
     return report
 
@@ -178,8 +199,9 @@ def analyse(
     exits: dict[str, dict[str, Any]],
     leftovers: int,
     wall_s: float,
+    idle_import_s: float | None = None,
 ) -> dict[str, Any]:
-    """The figures of the module docstring, from every peer's metrics."""
+    """The figures of the module docstring, from every peer's metrics and logs."""
     per_peer = {name: rounds_of(workdir / f"{name}.jsonl") for name in names}
     disagreeing = disagreeing_rounds(per_peer)
     longest_wait = 20.0 + 10.0  # --round-timeout-s + --fetch-timeout-s above
@@ -203,6 +225,8 @@ def analyse(
         "uninterrupted_within_2_rounds": sum(1 for r in judged if _within(r["rounds_to_contribute"], 2)),
         "startup_s_mean": _mean([r["startup_s"] for r in judged if r["startup_s"] is not None]),
         "startup_rounds_mean": _mean([r["startup_rounds"] for r in judged if r["startup_rounds"] is not None]),
+        "process_up_s_mean": _mean([r["process_up_s"] for r in judged if r["process_up_s"] is not None]),
+        "idle_import_s": idle_import_s,
         "rounds_after_resuming": {"max": max(after_ready, default=None), "mean": _mean(after_ready)},
         "rounds_to_contribute_after_kill": {
             "max": max((k for k in kills if k is not None), default=None),
@@ -233,11 +257,12 @@ def recovery(
     out = {**event, "rounds_to_contribute": (back[0] - event["swarm_round"]) if back else None}
     if event["fault"] != "kill":
         return out
-    resumed = _resumed_at(workdir / f"{event['process']}.log")
+    first_line, resumed = _log_times(workdir / f"{event['process']}.log")
     back_at = records[back[0]]["ended_at"] if back else math.inf
     pipeline = event["peer"].split("-s")[0]  # a stage contributes only with its virtual replica's other stages
     team = {name for name in per_peer if name.split("-s")[0] == pipeline}
     out["interrupted"] = any(e["peer"] in team and event["at_wall"] < e["at_wall"] < back_at for e in events)
+    out["process_up_s"] = None if first_line is None else round(first_line - event["at_wall"], 1)
     out["startup_s"] = None if resumed is None else round(resumed - event["at_wall"], 1)
     ready_round = None if resumed is None else _swarm_round_at(per_peer, resumed)
     out["startup_rounds"] = None if ready_round is None else ready_round - event["swarm_round"]
@@ -245,16 +270,25 @@ def recovery(
     return out
 
 
-def _resumed_at(log: Path) -> float | None:
-    """When a restarted peer had loaded its checkpoint (its log's line saying so), as wall time."""
+def _log_times(log: Path) -> tuple[float | None, float | None]:
+    """When a restarted peer logged its first line (its process was up: imports, p2pd, the DHT) and when it had
+    loaded its checkpoint (the line saying so), as wall time."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
+        return None, None
+    stamped = [(_stamp(line), line) for line in lines]
+    times = [t for t, _ in stamped if t is not None]
+    resumed = next((t for t, line in stamped if t is not None and "resumed from checkpoint" in line), None)
+    return (times[0] if times else None), resumed
+
+
+def _stamp(line: str) -> float | None:
+    """A log line's time (`logging`'s default format), None for a line without one (a traceback's)."""
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
         return None
-    for line in lines:
-        if "resumed from checkpoint" in line:
-            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    return None
 
 
 def _swarm_round_at(per_peer: dict[str, dict[int, dict[str, Any]]], wall: float) -> int:
@@ -308,6 +342,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             "of which starting the process (kill to checkpoint resumed): s / rounds, mean",
             f"{report['startup_s_mean']} / {report['startup_rounds_mean']}",
         ),
+        (
+            "of the start, kill to the node's first log line (interpreter, imports, p2pd, the DHT): s, mean",
+            report["process_up_s_mean"],
+        ),
+        ("the same imports in a fresh interpreter on the idle machine (before the swarm), s", report["idle_import_s"]),
         (
             "then rounds until it contributes (max / mean)",
             f"{report['rounds_after_resuming']['max']} / {report['rounds_after_resuming']['mean']}",

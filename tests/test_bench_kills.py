@@ -28,10 +28,11 @@ def record(t: int, fp: str, contributed: bool = True, comm_s: float = 1.0) -> di
     }
 
 
-def resumed_log(path: Path, at_wall: float) -> None:
-    """A restarted peer's log saying when it had loaded its checkpoint."""
-    stamp = datetime.fromtimestamp(at_wall).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
-    path.write_text(f"p2pd says hello\n{stamp} INFO held_state: resumed from checkpoint at round 1\n")
+def resumed_log(path: Path, up_at: float, at_wall: float) -> None:
+    """A restarted peer's log: its first line at `up_at`, its checkpoint loaded at `at_wall`."""
+    up, resumed = (datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S,%f")[:23] for t in (up_at, at_wall))
+    path.write_text(f"p2pd says hello\n{up} INFO reachability: reachable\nTraceback (no time)\n"
+                    f"{resumed} INFO held_state: resumed from checkpoint at round 1\n")  # fmt: skip
 
 
 def kill(peer: str, at_wall: float, swarm_round: int, process: str) -> dict:
@@ -45,14 +46,15 @@ def test_the_soak_counts_disagreements_hangs_recovery_and_leftovers(tmp_path: Pa
     slow = record(3, "fp3", contributed=False, comm_s=45.0)
     write(tmp_path / "r1.jsonl", [record(0, "fp0"), record(1, "fp1", contributed=False), record(2, "other"), slow,
                                   record(4, "fp4"), lagging])  # fmt: skip
-    resumed_log(tmp_path / "r1.0.log", 1012.0)  # the swarm had recorded round 1 then: started within the round
-    resumed_log(tmp_path / "r1.3.log", 1036.0)
+    resumed_log(tmp_path / "r1.0.log", 1009.0, 1012.0)  # the swarm had recorded round 1 then: started within it
+    resumed_log(tmp_path / "r1.3.log", 1035.5, 1036.0)
     events = [kill("r1", 1005.0, 1, "r1.0"),
               {"fault": "freeze", "peer": "r0", "at_s": 20.0, "at_wall": 1020.0, "swarm_round": 3, "process": "r0"},
               kill("r1", 1033.0, 3, "r1.2"),  # hit again 2 s later, before it contributed: interrupted
               kill("r1", 1035.0, 3, "r1.3")]  # fmt: skip
     exits = {"r0": {"code": 0, "seconds": 1.0}, "r1": {"code": "did not exit", "seconds": 30.0}}
-    report = analyse(KillSoakConfig(), ["r0", "r1"], tmp_path, events, exits, leftovers=1, wall_s=100.0)
+    report = analyse(KillSoakConfig(), ["r0", "r1"], tmp_path, events, exits, leftovers=1, wall_s=100.0,
+                     idle_import_s=2.5)  # fmt: skip
     assert report["rounds"] == 6 and report["disagreeing_rounds"] == [2]
     assert report["waits_past_deadline"] == 1 and report["longest_wait_s"] == 45.0
     assert [f["rounds_to_contribute"] for f in report["faults"]] == [1, 0, 1, 1]  # r1 contributed in rounds 2, 4
@@ -63,10 +65,13 @@ def test_the_soak_counts_disagreements_hangs_recovery_and_leftovers(tmp_path: Pa
     assert (first["startup_s"], first["startup_rounds"], first["rounds_after_resuming"]) == (7.0, 0, 1)
     assert (last["startup_s"], last["startup_rounds"], last["rounds_after_resuming"]) == (1.0, 0, 1)
     assert report["startup_s_mean"] == 4.0 and report["rounds_after_resuming"] == {"max": 1, "mean": 1}
+    assert (first["process_up_s"], last["process_up_s"], report["process_up_s_mean"]) == (4.0, 0.5, 2.2)
     assert report["not_exiting_0_on_sigterm"] == ["r1"] and report["processes_left_running"] == 1
     markdown = render_markdown(report)
     assert "| rounds in which peers disagreed (goal 0) | 1 |" in markdown
     assert "| restarts not hit again before contributing: within 2 rounds | 2 / 2 |" in markdown
+    assert "(interpreter, imports, p2pd, the DHT): s, mean | 2.2 |" in markdown
+    assert "on the idle machine (before the swarm), s | 2.5 |" in markdown
 
 
 def test_a_restarted_peer_keeps_its_identity_checkpoints_and_metrics(tmp_path: Path) -> None:
