@@ -23,6 +23,7 @@ import torch
 from torch.nn import functional as F
 
 from hetero_node.client.roles.pipeline_stage import PipelineStage, boundary_format
+from hetero_node.client.roles.schedule import MAX_ACCUMULATION
 from hetero_node.client.roles.stage_link import (
     BACKWARD,
     EVAL,
@@ -268,11 +269,13 @@ class Inbox:
         round: int = ROUND,
         step: int = 0,
         microbatch: int = 0,
-        count: int = 0,
+        count: int | None = None,
         total_size: int | None = None,
         piece: int = 1000,
     ) -> Any:
-        """Stream `payload` in pieces of `piece` bytes with the given header (only the first piece carries it)."""
+        """Stream `payload` in pieces of `piece` bytes with the given header (only the first piece carries it); a
+        forward's count is a one-batch step's M unless given."""
+        count = (len(self.sizes) if kind == FORWARD else 0) if count is None else count
         chunks = [payload[i : i + piece] for i in range(0, len(payload), piece)] or [b""]
         size = len(payload) if total_size is None else total_size
         head = dict(kind=kind, vr=vr, stage=stage, round=round, step=step, microbatch=microbatch, count=count)
@@ -310,7 +313,7 @@ def test_inbox_accepts_the_neighbours_messages() -> None:
     assert kept is not None and len(box.queued()) == 4
     message = box.inbox.take(lambda h: h.kind == FORWARD, timeout=0)
     assert message is kept and len(box.queued()) == 3
-    assert message.header == Header(FORWARD, VR, STAGE, ROUND, 2, 0, 0)
+    assert message.header == Header(FORWARD, VR, STAGE, ROUND, 2, 0, 3)
     values, tokens, targets = codec.parse_activations(box.fmt, forward)
     assert torch.equal(message.values, values) and torch.equal(message.tokens, tokens)
     assert torch.equal(message.targets, targets) and tuple(tokens.shape) == (3, SEQ)
@@ -369,10 +372,17 @@ def test_inbox_refuses_malformed_and_unexpected_messages() -> None:
     box.refused(forward2, kind=EVAL, step=1, count=2)
     box.refused(b"", kind=EVAL, count=0, sender=NEXT)
     box.refused(b"", microbatch=1)  # an empty training message
-    assert box.inbox.rejected >= 20
+    box.refused(forward2, microbatch=1, count=0)  # a forward says how many microbatches its step has
+    box.refused(forward2, microbatch=1, count=4)  # whole batches of M = 3
+    box.refused(forward2, microbatch=3, count=3)  # beyond its step
+    box.refused(forward2, microbatch=1, count=3 * (MAX_ACCUMULATION + 1))
+    box.refused(box.backward(2), NEXT, kind=BACKWARD, microbatch=1, count=3)  # a backward carries none
+    assert box.inbox.rejected >= 25
     box.send(forward2, microbatch=1)  # the checks did not poison the slot
     box.send(box.forward(BATCH), kind=EVAL, microbatch=MAX_EVAL_BATCHES - 1, count=MAX_EVAL_BATCHES)
-    assert len(box.queued()) == 3
+    box.send(forward2, step=1, microbatch=3 * MAX_ACCUMULATION - 1, count=3 * MAX_ACCUMULATION)  # sized as 2
+    box.refused(box.forward(3), step=1, microbatch=4, count=6)  # the second batch's microbatch 1 holds 2
+    assert len(box.queued()) == 4
 
 
 def test_inbox_refuses_a_stranger_after_the_first_piece_without_reading_the_rest() -> None:
@@ -392,17 +402,14 @@ def test_inbox_refuses_a_stranger_after_the_first_piece_without_reading_the_rest
 
 
 def test_inbox_refuses_a_second_copy_of_a_microbatch_under_another_count() -> None:
-    """The header's `count` means something for eval only, yet it is part of the duplicate key: a forward for a
-    microbatch that already arrived is accepted again when its (meaningless) count differs, so the stage would
-    process the microbatch twice (the module docstring promises "have not arrived yet")."""
+    """A forward's `count` (its step's microbatches) is not part of the duplicate key: a second copy of a
+    microbatch that already arrived, claiming a step of another size, is refused, so the stage never processes a
+    microbatch twice (the module docstring promises "have not arrived yet")."""
     box = Inbox()
     forward = box.forward(3)
-    box.send(forward, microbatch=0, count=0)
+    box.send(forward, microbatch=0, count=3)
     assert len(box.queued()) == 1
-    # BUG (client/stage_link.py, StageInbox._accept): the duplicate check is `h in self._seen` on the whole
-    # Header, count included, and count is not checked for training kinds; this second copy of (step 0,
-    # microbatch 0) is accepted and queued.
-    box.refused(forward, microbatch=0, count=1)
+    box.refused(forward, microbatch=0, count=6)
     assert len(box.queued()) == 1
 
 

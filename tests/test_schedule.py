@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from factories import peer_id, peer_record
 
-from hetero_node.client.roles.schedule import MAX_STRETCH, RoundClock
+from hetero_node.client.roles.schedule import MAX_ACCUMULATION, MAX_STRETCH, RoundClock
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
 from hetero_node.protocol.run_config import OuterConfig
 
@@ -18,7 +18,7 @@ def clock(cadence: bool = False, **outer: object) -> RoundClock:
         matchmaking_s=2.0,
         straggler_fraction=0.5,
         cadence=cadence,
-        accumulate=True,
+        full=True,
     )
 
 
@@ -172,20 +172,23 @@ def test_a_full_replicas_own_overhead_floors_the_round_a_stale_record_would_shor
     mine = clock()
     mine.record_overhead(2.0)
     assert mine.round_length(stale) == pytest.approx(2.0 * 18)  # not 1.0 * 18
-    stage = RoundClock(OuterConfig(inner_steps=10), 2.0, 0.5, cadence=False, accumulate=False)
+    stage = RoundClock(OuterConfig(inner_steps=10), 2.0, 0.5, cadence=False, full=False)
     stage.record_overhead(2.0)  # a stage peer's smaller costs are not the full replicas' round
     assert stage.round_length(stale) == pytest.approx(1.0 * 18)
 
 
-def test_a_stretched_round_makes_a_full_replicas_steps_bigger_not_more() -> None:
+def test_a_stretched_round_makes_every_replicas_steps_bigger_not_more() -> None:
     """L = 18 s where H steps of the fastest replica take 1 s: each inner step accumulates 18 batches, so the
-    fastest trains about H steps (the lab: more steps per round cost far more per token than bigger ones)."""
+    fastest trains about H steps (the lab: more steps per round cost far more per token than bigger ones); a
+    pipeline stage's steps too (its round trips are paid once per step)."""
     records = {pid: r.copy(update={"overhead_s": 1.0}) for pid, r in [replica("a", step_s=0.1)]}
     plan = clock().plan(4, records, ME, now=1000.0)
     assert plan.length_s == pytest.approx(18.0) and plan.accumulation == 18
     assert plan.keep_training(9, now=1000.0 + 9 * 1.8, step_s=0.1)  # a step of 18 batches: 1.8 s
     assert not plan.keep_training(10, now=1000.0 + 16.3, step_s=0.1)
-    stages = RoundClock(OuterConfig(inner_steps=10), 2.0, 0.5, cadence=False, accumulate=False)
-    assert stages.plan(4, records, ME, now=1000.0).accumulation == 1  # a pipeline stage fills it with steps
+    stages = RoundClock(OuterConfig(inner_steps=10), 2.0, 0.5, cadence=False, full=False)
+    assert stages.plan(4, records, ME, now=1000.0).accumulation == 18
+    stretched = {pid: r.copy(update={"overhead_s": 100.0}) for pid, r in [replica("a", step_s=0.1)]}
+    assert clock().plan(4, stretched, ME, now=1000.0).accumulation == MAX_ACCUMULATION  # L at its longest
     assert clock(round_s=18.0).plan(4, records, ME, now=1000.0).accumulation == 1  # an explicit length: steps
     assert clock().plan(4, dict([replica("a", step_s=0.1)]), ME, now=1000.0).accumulation == 1  # not stretched

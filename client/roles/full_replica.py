@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 class FullReplica(Replica):
     """See the module docstring."""
 
-    accumulates = True
+    full_replica = True
 
     def __init__(
         self,

@@ -1,8 +1,11 @@
 """The GPipe schedule of one virtual replica's inner steps, as one stage runs it, and the message pump under it.
 
-Stage 0 reads the data and drives: each inner step's batch is cut into M microbatches whose forwards are all put
-in flight, then their gradients come back; every later stage handles messages as they arrive, the last computes
-the loss and sends gradients back. Each stage steps its optimizer once per global batch. Rounds are time-boxed:
+Stage 0 reads the data and drives: each inner step's batches (`accumulation` of them in a stretched round,
+`roles/schedule.py`) are cut into M microbatches each, of which M are in flight at a time: the forward of the next
+goes out as each gradient comes back, so a step pays the pipeline's round trips once, not once per batch, and no
+stage holds more activations than one batch's. Every later stage handles messages as they arrive (a forward says
+how many microbatches its step has), the last computes the loss and sends gradients back. Each stage steps its
+optimizer once per inner step. Rounds are time-boxed:
 stage 0 decides, before each step, whether another one fits before the round's deadline, and when it stops it
 sends END with the number of steps trained (0: the replica sits the round out), which every stage passes on.
 After the outer step stage 0 sends the validation batches through (or an empty pass) and the last stage scores.
@@ -28,6 +31,7 @@ from hetero_node.client.roles.stage_link import (
     END,
     EVAL,
     FORWARD,
+    KIND_NAMES,
     Header,
     StageInbox,
     StageMessage,
@@ -39,6 +43,8 @@ from hetero_node.protocol.errors import HeteroNodeError, PayloadError
 
 logger = logging.getLogger(__name__)
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""Token ids and targets."""
 LIVENESS_CHECK_S = 2.0
 """While waiting for a neighbour's message, re-read the records this often to notice a vanished neighbour."""
 
@@ -76,6 +82,8 @@ class PipelineSchedule:
     lr: tuple[int, int] = (0, 1)
     """(first LR-schedule position of the round, H): step i of a round trains at position first + min(i, H − 1)."""
     boundary: BoundaryBytes = field(default_factory=BoundaryBytes)
+    batches: int = 0
+    """Batches trained in this round (a step accumulates one or more)."""
     _in_flight: list[tuple[int, concurrent.futures.Future]] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------------ the pump
@@ -87,7 +95,7 @@ class PipelineSchedule:
         future, wire_bytes = self.sender.send(peer, Header(kind, self.vr, stage, t, step, microbatch, count), payload)
         if kind in (FORWARD, BACKWARD):
             self.boundary.sent += wire_bytes
-            self.boundary.tokens += (self.sizes[microbatch] * self.seq_len) if payload else 0
+            self.boundary.tokens += (self.inbox.size(microbatch) * self.seq_len) if payload else 0
         self._in_flight.append((stage, future))
 
     def take(self, match: Callable[[Header], bool], what: str) -> StageMessage:
@@ -140,29 +148,42 @@ class PipelineSchedule:
     # ---------------------------------------------------------------------------------------- training
 
     def drive(
-        self, t: int, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]], more: Callable[[int], bool]
+        self,
+        t: int,
+        batch: Callable[[int], Batch],
+        more: Callable[[int], bool],
+        accumulation: int = 1,
     ) -> int:
-        """Stage 0: inner steps while `more(steps so far)` says so, then END; returns the steps trained."""
-        self._in_flight, self.boundary = [], BoundaryBytes()
-        steps = 0
+        """Stage 0: inner steps of `accumulation` batches each (`batch(k)`: the round's k-th) while `more(steps so
+        far)` says so, then END; returns the steps trained."""
+        self._in_flight, self.boundary, self.batches = [], BoundaryBytes(), 0
+        steps, window = 0, len(self.sizes)
         while more(steps):
-            x, y = batch(steps)
-            M = len(self.sizes)
-            for j, (xj, yj) in enumerate(zip(torch.tensor_split(x, M), torch.tensor_split(y, M), strict=True)):
-                self.send(1, FORWARD, t, steps, j, self.stage.forward((steps, j), xj, yj))  # our own data
-            for _ in range(M):
-                message = self.take(lambda h, i=steps: h.kind == BACKWARD and h.step == i, "gradient")
-                key = (steps, message.header.microbatch)
-                self._compute(lambda key=key, m=message: self.stage.backward(key, m.values))
+            parts = self._microbatches([batch(steps * accumulation + k) for k in range(accumulation)])
+            sent = 0
+            for done in range(len(parts)):
+                while sent < min(len(parts), done + window):
+                    xj, yj = parts[sent]
+                    message = self.stage.forward((steps, sent), xj, yj)  # our own data
+                    self.send(1, FORWARD, t, steps, sent, message, count=len(parts))
+                    sent += 1
+                gradient = self.take(lambda h, i=steps: h.kind == BACKWARD and h.step == i, "gradient")
+                key = (steps, gradient.header.microbatch)
+                self._compute(lambda key=key, m=gradient: self.stage.backward(key, m.values))
             self._optimizer_step(steps)
-            steps += 1
+            steps, self.batches = steps + 1, self.batches + accumulation
         self.send(1, END, t, 0, 0, b"", count=steps)
         self.check_sends(wait=True)
         return steps
 
+    def _microbatches(self, batches: list[Batch]) -> list[Batch]:
+        """Each batch cut into the run's M microbatches, in order."""
+        M = len(self.sizes)
+        return [mb for x, y in batches for mb in zip(torch.tensor_split(x, M), torch.tensor_split(y, M), strict=True)]
+
     def serve(self, t: int) -> tuple[int, list[float]]:
         """A later stage: handle each step's messages until END; (steps trained, the last stage's losses)."""
-        self._in_flight, self.boundary = [], BoundaryBytes()
+        self._in_flight, self.boundary, self.batches = [], BoundaryBytes(), 0
         steps, losses = 0, []
         while True:
             first = self.take(
@@ -179,16 +200,23 @@ class PipelineSchedule:
             if self.stage.last:
                 losses.append(loss)
             self._optimizer_step(steps)
-            steps += 1
+            steps, self.batches = steps + 1, self.batches + first.header.count // len(self.sizes)
 
     def _serve_step(self, t: int, i: int, first: StageMessage) -> float:
-        """Process step i's forwards and backwards as they arrive (the first already taken); the last stage's loss."""
+        """Process step i's forwards and backwards as they arrive (the first already taken: the step's first
+        forward, which says how many microbatches the step has); the last stage's loss."""
+        if first.header.kind != FORWARD:
+            raise PipelineAborted(f"step {i} began with a {KIND_NAMES[first.header.kind]} message")
+        count = first.header.count
         done, loss, message = 0, 0.0, first
-        batch = sum(self.sizes)
+        total = sum(self.inbox.size(j) for j in range(count))
         while True:
             j = message.header.microbatch
+            if message.header.kind == FORWARD and message.header.count != count:
+                raise PipelineAborted(f"step {i}'s forwards disagree on its microbatches ({count}, then "
+                                      f"{message.header.count})")  # fmt: skip
             if message.header.kind == FORWARD and self.stage.last:
-                weight = self.sizes[j] / batch
+                weight = self.inbox.size(j) / total
                 mb_loss, grad = self._compute(
                     lambda m=message, w=weight: self.stage.forward_backward_last(m.values, m.tokens, m.targets, w)
                 )
@@ -197,7 +225,7 @@ class PipelineSchedule:
                 done += 1
             elif message.header.kind == FORWARD:
                 out = self._compute(lambda m=message, j=j: self.stage.forward((i, j), m.tokens, m.targets, m.values))
-                self.send(self.index + 1, FORWARD, t, i, j, out)
+                self.send(self.index + 1, FORWARD, t, i, j, out, count=count)
             else:
                 try:
                     grad = self._compute(lambda m=message, j=j: self.stage.backward((i, j), m.values))
@@ -205,7 +233,7 @@ class PipelineSchedule:
                     raise PipelineAborted(f"gradient for microbatch {j} of step {i}, never forwarded") from None
                 self.send(self.index - 1, BACKWARD, t, i, j, grad)
                 done += 1
-            if done == len(self.sizes):
+            if done == count:
                 return loss
             message = self.take(lambda h: h.kind in (FORWARD, BACKWARD) and h.step == i, "pipeline message")
 
@@ -224,7 +252,7 @@ class PipelineSchedule:
 
     # ---------------------------------------------------------------------------------------------- eval
 
-    def eval_pass(self, t: int, batches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> float | None:
+    def eval_pass(self, t: int, batches: list[Batch] | None) -> float | None:
         """Stage 0 sends `batches` (an empty pass when eval is not due); the last stage returns the mean loss."""
         self._in_flight = []
         try:

@@ -68,9 +68,8 @@ def replica_number(node: NodeConfig, runtime: PeerRuntime) -> int:
 class Replica(HeldState, Contributing, CatchingUp, ABC):
     """A replica's life in the swarm (see the module docstring); `run()` blocks until the run ends."""
 
-    accumulates = False
-    """A round stretched past H steps (`roles/schedule.py`) makes this role's inner steps bigger, accumulating
-    batches (full replicas), rather than more (pipeline stages)."""
+    full_replica = False
+    """This role holds the whole model: its overhead is one of those that size rounds (`RoundClock.full`)."""
 
     def __init__(
         self,
@@ -89,7 +88,7 @@ class Replica(HeldState, Contributing, CatchingUp, ABC):
         self.certified = 0
         """The latest round whose θ we hold from a certified round (or from peers that did); see `PeerRecord`."""
         self.clock = RoundClock(
-            run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap, accumulate=self.accumulates
+            run.outer, timeouts.matchmaking_s, timeouts.straggler_fraction, cadence=overlap, full=self.full_replica
         )
         self.params: dict[int, list[Tensor]] = {}
         """The live parameter tensors of every shard this replica holds (the role fills it in)."""

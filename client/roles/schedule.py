@@ -15,12 +15,16 @@ under --overlap) for the upper median O of the full replicas (a full replica's o
 most full replicas, both of a pair (`RoundClock.stretched`). A median, so that one slow link or one lying record
 among three or more cannot stretch everyone's round; and at most `MAX_STRETCH` times H steps.
 
-A stretched round keeps H inner steps and makes each of them bigger: a full replica accumulates the gradients of
+A stretched round keeps H inner steps and makes each of them bigger: every replica accumulates the gradients of
 `accumulation` = ⌊L / (H steps of the fastest replica)⌋ batches per inner step. More steps per round would fill the
 window too, but the algorithm lab measured that as far worse per token for SparseLoCo (a round's message carries a
 fixed budget of coordinates, and a longer local trajectory does not fit it): `tiny`, 2 replicas, 153,600 tokens,
 eval loss 3.46 with 5 rounds of 120 steps, 3.01 with 5 rounds of 20 steps of 6× the batch (2.85 at twice the LR),
-2.54 with 30 rounds of 20 steps. Pipeline stages, whose steps are slow anyway, fill a window with steps.
+2.54 with 30 rounds of 20 steps. A virtual replica's step pays its pipeline's round trips once however many batches
+it accumulates (`roles/pipeline_schedule.py` keeps a batch of microbatches in flight across them), so on a
+far link bigger steps are also more tokens: on `hetero-tiny-wan` (140 ms across the edge pipeline's boundary,
+rounds stretched to 34-45 s, H = 20) it trained 140 one-batch steps a round before, 7 accumulated ones after, and
+its share of the swarm's tokens went from 14% to 19% (bench/README.md, *Time to ddp's loss*).
 
 Agreement without a coordinator: a replica proposes deadline(t) = now + L when it starts round t (under
 `--overlap`, where training never pauses for the exchange, deadline(t−1) + L: a fixed cadence), announces it in
@@ -54,6 +58,8 @@ MAX_STRETCH = 30.0
 """The overhead stretches a round to at most this many times H steps: a round's waits grow with its length (the
 grace is a fraction of L), so a swarm that waits each round for a member who never comes must not feed that wait
 back into L without bound."""
+MAX_ACCUMULATION = int(MAX_STRETCH)
+"""Batches one inner step accumulates at most (a pipeline stage refuses a microbatch beyond them)."""
 MAX_LEAD = 0.1
 """A replica stops at most this share of L early for its statement's sake (`RoundPlan.lead_s`)."""
 MIN_ROUND_FRACTION = 0.25
@@ -103,13 +109,13 @@ class RoundClock:
     """One replica's view of the round schedule (see the module docstring)."""
 
     def __init__(
-        self, outer: OuterConfig, matchmaking_s: float, straggler_fraction: float, cadence: bool, accumulate: bool
+        self, outer: OuterConfig, matchmaking_s: float, straggler_fraction: float, cadence: bool, full: bool
     ) -> None:
         self.outer, self.matchmaking_s, self.straggler_fraction = outer, matchmaking_s, straggler_fraction
         self.cadence = cadence
-        self.accumulate = accumulate
-        """This replica fills a stretched round with bigger steps (full replicas), not more (pipeline stages)."""
         """Rounds follow each other at a fixed cadence (overlap): deadline(t) = deadline(t−1) + L."""
+        self.full = full
+        """This replica is a full one: its own overhead counts among the full replicas' that size rounds."""
         self.step_s = 0.0
         """This replica's seconds per inner step (EMA over rounds; 0 until measured)."""
         self.overhead_s = 0.0
@@ -140,11 +146,11 @@ class RoundClock:
 
     def accumulation(self, records: dict[str, PeerRecord], length_s: float | None) -> int:
         """Batches per inner step in a round of `length_s`: how many times H steps of the fastest replica fit (1 for
-        an explicit --round-s, an untimed round, or a replica that fills rounds with steps)."""
+        an explicit --round-s or an untimed round), at most `MAX_ACCUMULATION`."""
         fastest = self.fastest_step_s(records)
-        if not self.accumulate or self.outer.round_s > 0 or length_s is None or fastest is None:
+        if self.outer.round_s > 0 or length_s is None or fastest is None:
             return 1
-        return max(1, int(length_s / (self.outer.inner_steps * fastest) + 1e-9))
+        return min(MAX_ACCUMULATION, max(1, int(length_s / (self.outer.inner_steps * fastest) + 1e-9)))
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
         """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills the target
@@ -169,7 +175,7 @@ class RoundClock:
         overheads = sorted(self._full_overheads(records) or self._overheads(records.values(), mine=True))
         if overheads:
             overhead = overheads[len(overheads) // 2]
-            if self.accumulate:
+            if self.full:
                 overhead = max(overhead, self.overhead_s)
             length = max(length, min(self.stretched(overhead), MAX_STRETCH * length))
         return length
@@ -193,7 +199,7 @@ class RoundClock:
 
     def _full_overheads(self, records: dict[str, PeerRecord]) -> list[float]:
         """The measured overheads of the full replicas, ours included if we are one."""
-        return self._overheads([r for r in records.values() if r.role == ROLE_FULL], mine=self.accumulate)
+        return self._overheads([r for r in records.values() if r.role == ROLE_FULL], mine=self.full)
 
     def _overheads(self, records: Iterable[PeerRecord], mine: bool) -> list[float]:
         return [r.overhead_s for r in records if r.overhead_s > 0] + [self.overhead_s] * (mine and self.overhead_s > 0)

@@ -4,7 +4,8 @@ A message is a boundary-codec byte string (`protocol/boundary_codec.py`) plus a 
 `protocol/wire.proto`): kind, virtual replica, receiving stage, round, inner step, microbatch. The sender streams
 it in pieces below libp2p's message cap and waits for the receiver's `StageAck`. The receiver checks everything
 before accepting: the sender is the neighbour the plan gives it, the header names this stage, its current round
-and an inner step and microbatch that exist and have not arrived yet, and the payload parses (sizes, dtype,
+and an inner step and microbatch that exist and have not arrived yet (a forward says how many microbatches its
+step has: whole batches, at most `MAX_ACCUMULATION` of them), and the payload parses (sizes, dtype,
 shape, finite values, token range). A message that fails any check is answered with an error, which the
 sender's call raises, and never reaches the stage's state; accepted ones queue until the stage's worker takes
 them, decoded against the fixed table of the moment it takes them.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hetero_node.client.roles.schedule import MAX_ACCUMULATION
 from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, PeerRuntime
 from hetero_node.protocol import boundary_codec as codec
 from hetero_node.protocol.errors import PayloadError
@@ -174,6 +176,15 @@ class StageInbox:
             raise PayloadError("truncated stage message")
         return header, b"".join(pieces), wire_bytes
 
+    @property
+    def max_microbatches(self) -> int:
+        """Microbatches of one inner step at most: `MAX_ACCUMULATION` batches of M."""
+        return len(self.sizes) * MAX_ACCUMULATION
+
+    def size(self, microbatch: int) -> int:
+        """Sequences in microbatch `microbatch` of a step (each of its batches is cut into the same M)."""
+        return self.sizes[microbatch % len(self.sizes)]
+
     def _max_bytes(self) -> int:
         return self.fmt.message_bytes(codec.FORWARD, self.batch_size, self.seq_len)
 
@@ -194,10 +205,13 @@ class StageInbox:
         elif h.kind == END:
             if not (h.step == 0 and h.microbatch == 0 and h.count <= self.max_steps and not payload):
                 raise PayloadError(f"end of round after {h.count} steps (step {h.step}, {len(payload)} bytes)")
-        elif h.count != 0:
-            raise PayloadError(f"a {KIND_NAMES[h.kind]} message carries no count, got {h.count}")
-        elif not (h.step < self.max_steps and h.microbatch < len(self.sizes)):
-            limits = f"{self.max_steps} × {len(self.sizes)}"
+        elif h.kind == BACKWARD and h.count != 0:
+            raise PayloadError(f"a backward message carries no count, got {h.count}")
+        elif h.kind == FORWARD and not (0 < h.count <= self.max_microbatches and h.count % len(self.sizes) == 0):
+            raise PayloadError(f"a step of {h.count} microbatches (whole batches of {len(self.sizes)}, at most "
+                               f"{self.max_microbatches})")  # fmt: skip
+        elif not (h.step < self.max_steps and h.microbatch < (h.count or self.max_microbatches)):
+            limits = f"{self.max_steps} × {h.count or self.max_microbatches}"
             raise PayloadError(f"step {h.step} / microbatch {h.microbatch} outside {limits}")
         with self._cond:
             if _slot(h) in self._seen:
@@ -211,10 +225,10 @@ class StageInbox:
                 raise PayloadError("an empty eval pass carries no payload")
             return StageMessage(h, None, None, None, wire_bytes)
         if h.kind == BACKWARD:
-            values = codec.parse_gradients(self.fmt, payload, self.sizes[h.microbatch], self.seq_len)
+            values = codec.parse_gradients(self.fmt, payload, self.size(h.microbatch), self.seq_len)
             return StageMessage(h, values, None, None, wire_bytes)
         values, tokens, targets = codec.parse_activations(self.fmt, payload)
-        batch = self.sizes[h.microbatch] if h.kind == FORWARD else tokens.shape[0]
+        batch = self.size(h.microbatch) if h.kind == FORWARD else tokens.shape[0]
         if tuple(tokens.shape) != (batch, self.seq_len) or batch > self.batch_size:
             raise PayloadError(f"{KIND_NAMES[h.kind]} batch of shape {tuple(tokens.shape)}")
         return StageMessage(h, values, tokens, targets, wire_bytes)

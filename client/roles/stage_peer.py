@@ -27,6 +27,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -170,7 +171,7 @@ class StagePeer(Replica):
         started = time.perf_counter()
         try:
             if self.stage.first:
-                steps = self.schedule.drive(t, lambda i: self.batches.batch(t * STEP_STRIDE + i), self._more(plan))
+                steps = self.schedule.drive(t, self._round_batches(t), self._more(plan), plan.accumulation)
                 losses: list[float] = []
             else:
                 steps, losses = self.schedule.serve(t)
@@ -185,8 +186,14 @@ class StagePeer(Replica):
         loss = sum(losses) / len(losses) if losses else None
         if loss is not None:
             self.announce(train_round=t, loss=loss if math.isfinite(loss) else None)
-        tokens = steps * self.run_cfg.batch_size * self.run_cfg.seq_len
-        return Trained(steps, tokens, loss, compute_s, compute_s)  # a stage's compute is the pipeline's wall time
+        batches = self.schedule.batches  # stage 0's accumulation, as its forwards said
+        tokens = batches * self.run_cfg.batch_size * self.run_cfg.seq_len
+        # a stage's compute is the pipeline's wall time
+        return Trained(steps, tokens, loss, compute_s, compute_s, accumulation=max(1, batches // steps))
+
+    def _round_batches(self, t: int) -> Callable[[int], tuple[Tensor, Tensor]]:
+        """Stage 0's k-th batch of round t (indices as a full replica's: unique however many a round has)."""
+        return lambda k: self.batches.batch(t * STEP_STRIDE + k)
 
     def _more(self, plan: RoundPlan) -> Any:
         """Stage 0's step decision: the plan's, with the deadline refreshed between steps."""
@@ -202,7 +209,7 @@ class StagePeer(Replica):
             if steps:
                 current[0] = self.between_steps(current[0], last_check)
             if steps == 1 and self.clock.step_s <= 0:
-                self.clock.record_speed(1, time.perf_counter() - started[0])
+                self.clock.record_speed(plan.accumulation, time.perf_counter() - started[0])
             return not self.stop.is_set() and current[0].keep_training(steps, get_dht_time(), self.clock.step_s)
 
         started = [time.perf_counter()]
