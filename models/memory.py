@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hetero_node.models.config import ModelConfig
 from hetero_node.models.meta import on_meta
-from hetero_node.models.stages import stage_layer_ranges
+from hetero_node.models.stages import BATCHES_IN_FLIGHT, stage_layer_ranges
 from hetero_node.models.transformer import Transformer
 
 TRAINING_BYTES_PER_PARAM = 28
@@ -43,13 +43,17 @@ def training_memory_bytes(
 def full_and_stage_memory(
     cfg: ModelConfig, batch_size: int, seq_len: int, stages: int, subspace: bool = False
 ) -> tuple[int, list[int]]:
-    """(bytes to train the whole model, bytes to train each pipeline stage). In a `subspace` run every peer also
+    """(bytes to train the whole model, bytes to train each pipeline stage: a stage before the last keeps
+    `BATCHES_IN_FLIGHT` batches' activations, the last computes each microbatch's loss and gradient at once and
+    keeps none between them). In a `subspace` run every peer also
     holds the fixed table T_fixed on its device (fp32 vocab × d, a buffer outside the optimizer). Stages without the
     embedding keep a copy of E_S of the same size too, in host RAM, not counted here: this is the device's budget."""
     table = int(HEADROOM * 4 * cfg.vocab_size * cfg.d_model) if subspace else 0
     full = training_memory_bytes(cfg, batch_size, seq_len, range(cfg.n_layers), True, True) + table
-    per_stage = [
-        training_memory_bytes(cfg, batch_size, seq_len, layers, s == 0, s == stages - 1) + table
+    per_stage = [  # a stage before the last holds the activations of every microbatch in flight
+        training_memory_bytes(cfg, batch_size * (1 if last else BATCHES_IN_FLIGHT), seq_len, layers, s == 0, last)
+        + table
         for s, layers in enumerate(stage_layer_ranges(cfg.n_layers, stages))
+        for last in [s == stages - 1]
     ]
     return full, per_stage

@@ -43,7 +43,7 @@ def test_measured_bandwidth_of_a_50_mbit_link_lands_near_50(tmp_path: Path) -> N
             time.sleep(0.3)
         peers = found.group(1)
         node_log = (tmp_path / "edge.log").open("w")
-        node = NodeConfig(peers=[peers], memory_gb=0.025, remeasure_bandwidth=True, record_refresh_s=2)
+        node = NodeConfig(peers=[peers], memory_gb=0.03, remeasure_bandwidth=True, record_refresh_s=2)
         lab.popen(edge, [*CLI, "--log-level", "INFO", "join", "--role", "stage", *to_argv(node), "--quiet"],
                   stdout=node_log, stderr=subprocess.STDOUT)  # fmt: skip
         record = None

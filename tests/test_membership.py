@@ -150,7 +150,7 @@ def test_forged_schema_invalid_and_absurd_records_are_rejected(tmp_path: Path) -
 @pytest.mark.long
 def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path: Path) -> None:
     """Two nodes can hold the model, four only a stage: 2 full replicas and 2 complete virtual replicas."""
-    memory = [4, 4, 0.025, 0.025, 0.025, 0.025]
+    memory = [4, 4, 0.03, 0.03, 0.03, 0.03]
     with LocalSwarm(tmp_path) as swarm:
         peers = swarm.start_bootstrap(to_argv(RUN_OPTIONS, dataclasses.replace(OUTER, rounds=200)))
         for i, gb in enumerate(memory):
@@ -171,7 +171,7 @@ def test_six_nodes_joining_at_once_settle_on_one_consistent_assignment(tmp_path:
     by_memory = {p["memory_gb"]: [] for p in snapshot["peers"]}
     for p in snapshot["peers"]:
         by_memory[p["memory_gb"]].append(p["role"])
-    assert sorted(by_memory[4.0]) == ["full", "full"] and by_memory[0.025] == ["stage"] * 4
+    assert sorted(by_memory[4.0]) == ["full", "full"] and by_memory[0.03] == ["stage"] * 4
     slots = [(p["vr"], p["stage"]) for p in snapshot["peers"] if p["role"] == "stage"]
     assert len(set(slots)) == 4, f"a slot has two holders: {slots}"
     assert all(not info["missing"] for info in snapshot["virtual_replicas"].values())
@@ -260,7 +260,7 @@ def test_a_joiner_whose_options_or_data_differ_from_the_run_gets_an_error_naming
 def test_a_vanished_stage_holder_expires_and_a_new_node_takes_its_slot(tmp_path: Path) -> None:
     with LocalSwarm(tmp_path) as swarm:
         peers = swarm.start_bootstrap(RUN)
-        stage_node = join(peers, memory_gb=0.025, bandwidth_mbps=100)
+        stage_node = join(peers, memory_gb=0.03, bandwidth_mbps=100)
         for name in ("s0", "s1"):
             swarm.start(name, stage_node)
         with observer(peers) as runtime:

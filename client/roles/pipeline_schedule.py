@@ -1,11 +1,11 @@
 """The GPipe schedule of one virtual replica's inner steps, as one stage runs it, and the message pump under it.
 
 Stage 0 reads the data and drives: each inner step's batches (`accumulation` of them in a stretched round,
-`roles/schedule.py`) are cut into M microbatches each, of which M are in flight at a time: the forward of the next
-goes out as each gradient comes back, so a step pays the pipeline's round trips once, not once per batch, and no
-stage holds more activations than one batch's. Every later stage handles messages as they arrive (a forward says
-how many microbatches its step has), the last computes the loss and sends gradients back. Each stage steps its
-optimizer once per inner step. Rounds are time-boxed:
+`roles/schedule.py`) are cut into M microbatches each, of which `BATCHES_IN_FLIGHT` × M are in flight at a time:
+the forward of the next goes out as each gradient comes back, so a step pays the pipeline's round trips once, not
+once per batch, and a stage holds at most that many batches' activations (the memory model counts them). Every
+later stage handles messages as they arrive (a forward says how many microbatches its step has), the last computes
+the loss and sends gradients back. Each stage steps its optimizer once per inner step. Rounds are time-boxed:
 stage 0 decides, before each step, whether another one fits before the round's deadline, and when it stops it
 sends END with the number of steps trained (0: the replica sits the round out), which every stage passes on.
 After the outer step stage 0 sends the validation batches through (or an empty pass) and the last stage scores.
@@ -39,6 +39,7 @@ from hetero_node.client.roles.stage_link import (
 )
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.runtime import PeerRuntime
+from hetero_node.models.stages import BATCHES_IN_FLIGHT
 from hetero_node.protocol.errors import HeteroNodeError, PayloadError
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class PipelineSchedule:
         """Stage 0: inner steps of `accumulation` batches each (`batch(k)`: the round's k-th) while `more(steps so
         far)` says so, then END; returns the steps trained."""
         self._in_flight, self.boundary, self.batches = [], BoundaryBytes(), 0
-        steps, window = 0, len(self.sizes)
+        steps, window = 0, BATCHES_IN_FLIGHT * len(self.sizes)
         while more(steps):
             parts = self._microbatches([batch(steps * accumulation + k) for k in range(accumulation)])
             sent = 0
