@@ -15,8 +15,8 @@ from hetero_node.protocol.errors import ConfigError
 BATCHES_IN_FLIGHT = 2
 """Batches of microbatches a stage before the last keeps in flight when an inner step accumulates several
 (`client/roles/pipeline_schedule.py`): their activations wait for the gradients, one round trip away. One batch
-kept `hetero-tiny-wan`'s edge pipeline (140 ms round trip) at 930 tokens/s, two at 1,550 (edge token share 19% →
-29%); the memory model counts their activations (`models/memory.py`)."""
+kept `hetero-tiny-wan`'s edge pipeline (140 ms round trip) at 930 tokens/s, two at 1,550–1,630 (edge token share
+19% → 29–31%); the memory model counts their activations (`models/memory.py`)."""
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:

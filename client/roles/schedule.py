@@ -23,8 +23,9 @@ eval loss 3.46 with 5 rounds of 120 steps, 3.01 with 5 rounds of 20 steps of 6×
 2.54 with 30 rounds of 20 steps. A virtual replica's step pays its pipeline's round trips once however many batches
 it accumulates (`roles/pipeline_schedule.py` keeps a batch of microbatches in flight across them), so on a
 far link bigger steps are also more tokens: on `hetero-tiny-wan` (140 ms across the edge pipeline's boundary,
-rounds stretched to 34-45 s, H = 20) it trained 140 one-batch steps a round before, 7 accumulated ones after, and
-its share of the swarm's tokens went from 14% to 19% (bench/README.md, *Time to ddp's loss*).
+rounds stretched to 34-50 s, H = 20) it trained 140 one-batch steps a round before, 14-18 accumulated ones
+after, and the edge nodes' share of the swarm's tokens went from 14% to 29-31% (bench/README.md, *Time to ddp's
+loss*).
 
 Agreement without a coordinator: a replica proposes deadline(t) = now + L when it starts round t (under
 `--overlap`, where training never pauses for the exchange, deadline(t−1) + L: a fixed cadence), announces it in
