@@ -44,8 +44,8 @@ def full_and_stage_memory(
     cfg: ModelConfig, batch_size: int, seq_len: int, stages: int, subspace: bool = False
 ) -> tuple[int, list[int]]:
     """(bytes to train the whole model, bytes to train each pipeline stage: a stage before the last keeps
-    `BATCHES_IN_FLIGHT` batches' activations, the last computes each microbatch's loss and gradient at once and
-    keeps none between them). In a `subspace` run every peer also
+    `BATCHES_IN_FLIGHT` batches' activations; the last computes each microbatch's loss and gradient at once, and one
+    batch's bound it). In a `subspace` run every peer also
     holds the fixed table T_fixed on its device (fp32 vocab × d, a buffer outside the optimizer). Stages without the
     embedding keep a copy of E_S of the same size too, in host RAM, not counted here: this is the device's budget."""
     table = int(HEADROOM * 4 * cfg.vocab_size * cfg.d_model) if subspace else 0
