@@ -21,8 +21,8 @@ window too, but the algorithm lab measured that as far worse per token for Spars
 fixed budget of coordinates, and a longer local trajectory does not fit it): `tiny`, 2 replicas, 153,600 tokens,
 eval loss 3.46 with 5 rounds of 120 steps, 3.01 with 5 rounds of 20 steps of 6× the batch (2.85 at twice the LR),
 2.54 with 30 rounds of 20 steps. A virtual replica's step pays its pipeline's round trips once however many batches
-it accumulates (`roles/pipeline_schedule.py` keeps a batch of microbatches in flight across them), so on a
-far link bigger steps are also more tokens: on `hetero-tiny-wan` (140 ms across the edge pipeline's boundary,
+it accumulates (`roles/pipeline_schedule.py` keeps two batches of microbatches in flight across them), so on
+a far link bigger steps are also more tokens: on `hetero-tiny-wan` (140 ms across the edge pipeline's boundary,
 rounds stretched to 34-50 s, H = 20) it trained 140 one-batch steps a round before, 14-18 accumulated ones
 after, and the edge nodes' share of the swarm's tokens went from 14% to 29-31% (bench/README.md, *Time to ddp's
 loss*).

@@ -5,10 +5,10 @@ A message is a boundary-codec byte string (`protocol/boundary_codec.py`) plus a 
 it in pieces below libp2p's message cap and waits for the receiver's `StageAck`. The receiver checks everything
 before accepting: the sender is the neighbour the plan gives it, the header names this stage, its current round
 and an inner step and microbatch that exist and have not arrived yet (a forward says how many microbatches its
-step has: whole batches, at most `MAX_ACCUMULATION` of them), and the payload parses (sizes, dtype,
-shape, finite values, token range). A message that fails any check is answered with an error, which the
-sender's call raises, and never reaches the stage's state; accepted ones queue until the stage's worker takes
-them, decoded against the fixed table of the moment it takes them.
+step has: whole batches, at most `MAX_ACCUMULATION` of them), and the payload parses (sizes, dtype, shape, finite
+values, token range). A message that fails any check is answered with an error, which the sender's call raises,
+and never reaches the stage's state; accepted ones queue until the stage's worker takes them, decoded against the
+fixed table of the moment it takes them.
 """
 
 from __future__ import annotations
