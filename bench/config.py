@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetero_node.bench.sim_cadence import SLOW_RULES
 from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError, positive_int_list, require_positive
 
@@ -415,6 +416,18 @@ class SimConfig:
     max_contributors: str = field(
         default="0", metadata={"help": "K values to sweep: messages a round aggregates at most (0: every replica's)."}
     )
+    slow_replicas: int = field(
+        default=0, metadata={"help": "Replicas (the last ones) that train 1/--slow-factor as fast as the others."}
+    )
+    slow_factor: int = field(default=4, metadata={"help": "How many times slower a slow replica is (divides H)."})
+    slow_windows: str = field(
+        default="1",
+        metadata={"help": "Slow replicas contribute once per N rounds, values to sweep (1: every round what it "
+                          "trained in it; N > 1: N·H/F steps from θ N − 1 outer steps old; 0: they sit out)."},
+    )  # fmt: skip
+    slow_rules: str = field(
+        default="plain", metadata={"help": f"How contributions are scaled, to sweep: {', '.join(SLOW_RULES)}."}
+    )
     stages: int = field(default=2, metadata={"help": "Parameter shards = pipeline stages of a virtual replica."})
     microbatches: int = field(default=2, metadata={"help": "Microbatches per inner step in a virtual replica."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
@@ -444,10 +457,31 @@ class SimConfig:
         if min(self.replica_counts) < 2:
             raise ConfigError(f"--replicas {self.replicas!r}: at least 2 (one full and one virtual in hetero)")
         resolve_device(self.device)  # a wrong --device fails here, not after the corpus is loaded
+        self._check_slow()
         for flag, values in (("--rank-divisors", self.rank_list), ("--inner-steps", self.h_list),
-                             ("--topk", self.topk_list), ("--max-contributors", self.contributor_list)):  # fmt: skip
+                             ("--topk", self.topk_list), ("--max-contributors", self.contributor_list),
+                             ("--slow-windows", self.window_list)):  # fmt: skip
             if not values:
                 raise ConfigError(f"{flag} must not be empty")
+
+    def _check_slow(self) -> None:
+        if self.slow_replicas < 0 or self.slow_replicas >= min(self.replica_counts):
+            raise ConfigError(f"--slow-replicas must be ≥ 0 and leave one replica fast, got {self.slow_replicas}")
+        if self.slow_factor < 1 or (self.slow_replicas and any(h % self.slow_factor for h in self.h_list)):
+            raise ConfigError(f"--slow-factor {self.slow_factor} must be ≥ 1 and divide every --inner-steps")
+        if not self.slow_rule_list or not set(self.slow_rule_list) <= set(SLOW_RULES):
+            raise ConfigError(f"--slow-rules {self.slow_rules!r}: choose from {', '.join(SLOW_RULES)}")
+
+    @property
+    def window_list(self) -> list[int]:
+        values = [v.strip() for v in self.slow_windows.split(",") if v.strip()]
+        if not values or not all(v.isdigit() for v in values):
+            raise ConfigError(f"--slow-windows {self.slow_windows!r}: comma-separated integers ≥ 0")
+        return [int(v) for v in values]
+
+    @property
+    def slow_rule_list(self) -> list[str]:
+        return [r.strip() for r in self.slow_rules.split(",") if r.strip()]
 
     @property
     def method_list(self) -> list[str]:

@@ -26,6 +26,7 @@ import torch
 from rich.progress import Progress
 
 from hetero_node.bench.config import SUBSPACE_METHODS, SimConfig
+from hetero_node.bench.sim_cadence import Cadence, contribution_scaling, lab_cadences
 from hetero_node.bench.sim_replicas import CPU, SimFullReplica, SimReplica, SimVirtualReplica, global_model
 from hetero_node.bench.sim_report import write_report
 from hetero_node.bench.sim_traffic import messages_moved, table_upkeep_bytes
@@ -60,13 +61,26 @@ class Cell:
     rank_divisor: int | None
     contributors: int = 0
     """K: messages each round aggregates (`--max-contributors`); 0 when every replica's is (K ≥ R, ddp)."""
+    slow: int = 0
+    """The last `slow` replicas train 1/`slow_factor` as fast, contributing once per `window` rounds (`sim_cadence`)."""
+    slow_factor: int = 1
+    window: int = 1
+    slow_rule: str = ""
+    """How contributions are scaled (`SLOW_RULES`); "" where the slow replicas sit out."""
 
     @property
     def name(self) -> str:
         parts = [self.method, f"R{self.replicas}", f"H{self.inner_steps}"]
         parts += [] if self.topk is None else [f"k{self.topk}"]
         parts += [] if self.rank_divisor is None else [f"d/{self.rank_divisor}"]
-        return " ".join(parts + ([f"K{self.contributors}"] if self.contributors else []))
+        parts += [f"K{self.contributors}"] if self.contributors else []
+        if self.slow:
+            every = f"w{self.window} {self.slow_rule}" if self.window else "sit out"
+            parts += [f"slow{self.slow}/{self.slow_factor}", every]
+        return " ".join(parts)
+
+    def cadences(self) -> list[Cadence]:
+        return lab_cadences(self.replicas, self.inner_steps, self.slow, self.slow_factor, self.window)
 
     @property
     def layout(self) -> list[str]:
@@ -89,8 +103,20 @@ def grid(cfg: SimConfig) -> list[Cell]:
                 for k in cfg.topk_list if sparse else [None]:
                     for rank in cfg.rank_list if method in SUBSPACE_METHODS else [None]:
                         for limit in cfg.contributor_list if sparse else [0]:  # only SparseLoCo keeps Δ owed
-                            cells.append(Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0))
+                            cell = Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0)
+                            cells += _slow_variants(cfg, cell) if cfg.slow_replicas and method != "ddp" else [cell]
     return list(dict.fromkeys(cells))
+
+
+def _slow_variants(cfg: SimConfig, cell: Cell) -> list[Cell]:
+    """`cell` with its last `--slow-replicas` slow, once per window and rule swept (a fresh window's discount is
+    1, so only windows of several rounds are discounted)."""
+    slow = dict(slow=cfg.slow_replicas, slow_factor=cfg.slow_factor)
+    variants = []
+    for w in cfg.window_list:
+        rules = [r for r in cfg.slow_rule_list if w > 1 or not r.endswith("discounted")] if w else [""]
+        variants += [dataclasses.replace(cell, **slow, window=w, slow_rule=rule) for rule in rules]
+    return variants
 
 
 def cell_run_config(cfg: SimConfig, cell: Cell, seed: int, vocab_size: int, store: TokenStore) -> RunConfig:
@@ -159,10 +185,13 @@ class OuterSwarm:
         return self.evaluator.evaluate(held_out)
 
     @torch.no_grad()
-    def step(self, replicas: list[SimReplica], names: list[str], round_: int) -> list[int]:
-        """θ(t+1) from every replica's encoded messages; returns each replica's message bytes."""
-        weight = float(self.run.outer.inner_steps * self.run.batch_size * self.run.seq_len)
-        deltas = [r.shard_deltas() for r in replicas]
+    def step(
+        self, replicas: list[SimReplica], names: list[str], round_: int, tokens: list[int], factors: list[float]
+    ) -> list[int]:
+        """θ(t+1) from the contributing replicas' encoded messages, each weighted by the tokens it trained and its
+        Δ scaled by its factor (1 unless stale and discounted); returns each replica's message bytes."""
+        deltas = [[[d * f for d in shard] if f != 1.0 else shard for shard in r.shard_deltas()]
+                  for r, f in zip(replicas, factors, strict=True)]  # fmt: skip
         before = self.model.embed.weight.detach().clone() if self.basis is not None else None
         sizes = [0] * len(replicas)
         limit = contributor_limit(self.run.outer)
@@ -170,16 +199,17 @@ class OuterSwarm:
         for s, (judge, shard) in enumerate(zip(self.judges, self.shard_names, strict=True)):
             seed = selection_seed(self.run.run_id, s, round_, start_fps.get(str(s), ""))
             chosen = set(selected_contributors(names, limit, seed))
-            messages, senders = [], []
+            messages, senders, weights = [], [], []
             for i, replica in enumerate(replicas):
                 encoded = replica.methods[s].encode(deltas[i][s])
                 sizes[i] += len(encoded.payload)
                 if names[i] in chosen:
                     messages.append(judge.decode(encoded.payload))
                     senders.append(names[i])
+                    weights.append(float(tokens[i]))
                 else:  # left out this round: its Δ stays owed, as on a swarm member
                     replica.methods[s].defer(encoded.snapshot, encoded.payload)
-            combined = judge.combine(messages, [weight] * len(messages), senders)
+            combined = judge.combine(messages, weights, senders)
             start = shard_tensors(self.model, shard)
             for p, value in zip(start, judge.update([p.detach().clone() for p in start], combined), strict=True):
                 p.copy_(value)
@@ -201,31 +231,48 @@ class OuterSwarm:
 
 def simulate(
     run: RunConfig, layout: list[str], store: TokenStore, held_out: list, on_round: Callable[[RoundPoint], None],
-    names: list[str] | None = None, device: torch.device = CPU,
+    names: list[str] | None = None, device: torch.device = CPU, cadences: list[Cadence] | None = None,
+    slow_rule: str = "plain",
 ) -> list[RoundPoint]:  # fmt: skip
     """`run.outer.rounds` rounds of full ("full") and virtual ("virtual") replicas; replica i trains data shard i.
 
-    `names` order the members as peer ids do in a swarm (the aggregate is summed in sorted-name order).
+    `names` order the members as peer ids do in a swarm (the aggregate is summed in sorted-name order). `cadences`
+    (default: H steps, every round) say when each replica trains and contributes; a window's steps are trained
+    from the θ loaded at its start and contributed at its end, scaled by `slow_rule`. A point's tokens are those
+    contributed so far (a window still open at the end has reached no θ).
     """
     swarm = OuterSwarm(run, device)
     replicas = [(SimFullReplica if kind == FULL else SimVirtualReplica)(run, store, i, device)
                 for i, kind in enumerate(layout)]  # fmt: skip
     names = names or [f"replica-{i:04d}" for i in range(len(replicas))]
     H, R = run.outer.inner_steps, len(replicas)
-    tokens_per_round = H * run.batch_size * run.seq_len
+    cadences = cadences or [Cadence(H)] * R
+    tokens_per_step = run.batch_size * run.seq_len
     points: list[RoundPoint] = []
-    sent = 0.0
+    sent, tokens = 0.0, 0
+    opened, trained = [0] * R, [0] * R  # each replica's window: the round it opened, the steps it trained
     for t in range(run.outer.rounds):
-        for replica in replicas:
-            replica.load(swarm.theta(), swarm.fixed)
-            replica.train(t, H)
-        sizes = swarm.step(replicas, names, t)
-        outer = messages_moved(run.outer.outer, R, H, contributor_limit(run.outer)) * sum(sizes) / R
-        boundary = sum(r.boundary_bytes for r in replicas) / R
+        boundary = 0.0
+        for i, (replica, cadence) in enumerate(zip(replicas, cadences, strict=True)):
+            if cadence.starts(t):
+                replica.load(swarm.theta(), swarm.fixed)
+                opened[i], trained[i] = t, cadence.steps(t)
+                replica.train(t, trained[i])
+                boundary += replica.boundary_bytes
+        now = [i for i, cadence in enumerate(cadences) if cadence.ends(t)]
+        outer = 0.0
+        if now:  # else nobody closes a window: θ stays
+            factors, weights = zip(*(contribution_scaling(slow_rule, trained[i], H, t - opened[i]) for i in now),
+                                   strict=True)  # fmt: skip
+            sizes = swarm.step([replicas[i] for i in now], [names[i] for i in now], t,
+                               [trained[i] * tokens_per_step * w for i, w in zip(now, weights, strict=True)],
+                               list(factors))  # fmt: skip
+            outer = messages_moved(run.outer.outer, len(now), H, contributor_limit(run.outer)) * sum(sizes) / R
+        tokens += sum(trained[i] for i in now) * tokens_per_step
         table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R
-        sent += outer + boundary + table
-        point = RoundPoint(t, (t + 1) * R * tokens_per_round, sent, swarm.evaluate(held_out),
-                           swarm.fingerprints(), {"outer": outer, "boundary": boundary, "table": table})  # fmt: skip
+        sent += outer + boundary / R + table
+        point = RoundPoint(t, tokens, sent, swarm.evaluate(held_out), swarm.fingerprints(),
+                           {"outer": outer, "boundary": boundary / R, "table": table})  # fmt: skip
         points.append(point)
         on_round(point)
     return points
@@ -264,7 +311,8 @@ def run_cell(cfg: SimConfig, cell: Cell, seed: int, store: TokenStore, vocab_siz
     if cell.method == "ddp":
         points = simulate_ddp(run, cell.replicas, store, held_out, on_round, device)
     else:
-        points = simulate(run, cell.layout, store, held_out, on_round, device=device)
+        points = simulate(run, cell.layout, store, held_out, on_round, device=device, cadences=cell.cadences(),
+                          slow_rule=cell.slow_rule or "plain")  # fmt: skip
     start_loss = Transformer(get_preset(run.preset, vocab_size=vocab_size), seed=seed).to(device)
     initial = InnerTrainer(start_loss, run.optim, 1, device).evaluate(held_out)
     return {**dataclasses.asdict(cell), "cell": cell.name, "seed": seed, "initial_eval_loss": initial,

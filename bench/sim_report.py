@@ -41,6 +41,16 @@ class CellSummary:
     """Bytes per replica per round by kind (outer, boundary, table), mean over rounds and seeds."""
     contributors: int = 0
     """K: messages a round aggregated (0: every replica's)."""
+    slow: int = 0
+    slow_factor: int = 1
+    window: int = 1
+    """Slow replicas' contributions: once per `window` rounds (0: they sat out); see `sim_cadence`."""
+
+    @property
+    def setting(self) -> tuple:
+        """Everything but the slow replicas' window and stale rule."""
+        return (self.method, self.replicas, self.inner_steps, self.topk, self.rank_divisor, self.contributors,
+                self.slow, self.slow_factor)  # fmt: skip
 
     @property
     def mean(self) -> float:
@@ -67,7 +77,8 @@ def _columns(rows: list[list[float]]) -> list[float]:
 def _grid_position(run: dict[str, Any]) -> tuple:
     known = run["method"] in SIM_METHODS
     return (SIM_METHODS.index(run["method"]) if known else len(SIM_METHODS), run["method"], run["replicas"],
-            run["inner_steps"], run["topk"] or 0, run["rank_divisor"] or 0, run.get("contributors", 0))  # fmt: skip
+            run["inner_steps"], run["topk"] or 0, run["rank_divisor"] or 0, run.get("contributors", 0),
+            run.get("slow", 0), run.get("window", 1), run.get("slow_rule", ""))  # fmt: skip
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
@@ -88,7 +99,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
             curve=_columns([[p["eval_loss"] for p in r] for r in rounds]), tokens=[p["tokens"] for p in rounds[0]],
             bytes_sent=_columns([[p["bytes_per_replica"] for p in r] for r in rounds]),
             traffic={k: statistics.fmean(p["traffic"][k] for r in rounds for p in r) for k in kinds},
-            contributors=first.get("contributors", 0),
+            contributors=first.get("contributors", 0), slow=first.get("slow", 0),
+            slow_factor=first.get("slow_factor", 1), window=first.get("window", 1),
         )  # fmt: skip
     return out
 
@@ -178,6 +190,34 @@ def finding_selective(cells: dict[str, CellSummary]) -> list[str]:
     return _table(header, rows) if rows else []
 
 
+def slow_token_value(cell: CellSummary, sit_out: CellSummary, all_fast: CellSummary) -> float:
+    """What a slow replica's token was worth in `cell`, a fast replica's being 1: the share of the loss that
+    `all_fast` (every replica fast) gains over `sit_out` (the slow ones idle) which `cell` gains, over the share of
+    `all_fast`'s extra tokens which `cell` adds (loss linear in tokens between the two: a first estimate)."""
+    gained = (sit_out.mean - cell.mean) / (sit_out.mean - all_fast.mean)
+    added = (cell.tokens[-1] - sit_out.tokens[-1]) / (all_fast.tokens[-1] - sit_out.tokens[-1])
+    return gained / added
+
+
+def finding_slow(cells: dict[str, CellSummary]) -> list[str]:
+    """4. Slow replicas: every round or once per window, by rule, against sitting out and against every replica fast."""
+    rows = []
+    for c in cells.values():
+        if not c.slow or not c.window:
+            continue
+        same = [r for r in cells.values() if r.setting == c.setting]
+        sit_out = next((r for r in same if r.window == 0), None)
+        fresh = next((r for r in same if r.window == 1 and r.cell.endswith("plain")), None)
+        fast = next((r for r in cells.values() if not r.slow and r.setting[:6] == c.setting[:6]), None)
+        value = slow_token_value(c, sit_out, fast) if sit_out and fast and fast.mean < sit_out.mean else None
+        rows.append([c.cell, _loss(c), paired_gap(c, sit_out) if sit_out else "n/a",
+                     paired_gap(c, fresh) if fresh and fresh is not c else "", f"{c.tokens[-1]:,}",
+                     "n/a" if value is None else f"{value:.2f}"])  # fmt: skip
+    header = ["cell", "eval loss", "against the slow ones sitting out", "against w1 plain", "tokens contributed",
+              "a slow token's value (a fast one's = 1)"]  # fmt: skip
+    return _table(header, rows) if rows else []
+
+
 NOTE = (
     "Eval loss: mean ± std over seeds of θ after the last round, on the held-out batches; gaps are paired by seed "
     "(mean ± std of the per-seed relative differences). Bytes: per replica per round, from the encoded payloads "
@@ -195,6 +235,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         ("1. SparseLoCo reaches DiLoCo's loss with far fewer bytes", finding_outer(cells)),
         ("2. Activation compression composes with SparseLoCo", finding_composes(cells)),
         ("3. Selective compression beats compressing everyone", finding_selective(cells)),
+        (
+            "4. Slow replicas: every round or once per window, against sitting out",
+            finding_slow(cells),
+        ),
     ):
         if table:
             lines += [f"## {title}", "", *table, ""]

@@ -1,0 +1,66 @@
+"""When a replica of the algorithm lab trains and contributes: every round, or once per window of several rounds.
+
+A slow replica trains `steps_per_round` inner steps in a round's wall time (H / F for a GPU F times slower). It
+can contribute every round what it trained in that round (window 1: fresh, few tokens), or train a window of w
+rounds from the θ it loaded at the window's start and contribute once at its end (w·H/F steps, built on a θ that
+w − 1 outer steps have moved since: stale by w − 1), or sit out (window 0). Slow replicas' windows are staggered
+(`offset`: the first window is shorter by it) so that their contributions spread over the rounds, as volunteers'
+would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SLOW_RULES = ("plain", "discounted", "rescaled", "rescaled-discounted")
+"""How a contribution of n inner steps, built on a θ s outer steps old, enters the outer step: `plain`, as it is
+(token-weighted like any other); `discounted`, its Δ scaled by (1 + s)^−½ (FedAsync's polynomial staleness weight,
+a = ½); `rescaled`, its Δ scaled by H / n, so that a replica that trained fewer steps than H moves θ as far per
+step as the others instead of shrinking the token-weighted mean towards its short trajectory; or both. A replica
+of H fresh steps is scaled by 1 under every rule."""
+
+
+@dataclass(frozen=True)
+class Cadence:
+    steps_per_round: int
+    window: int = 1
+    """Rounds per contribution: 1 every round, w > 1 once per w rounds, 0 never (the replica sits out)."""
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 0 or self.steps_per_round < 1 or not 0 <= self.offset < max(self.window, 1):
+            raise ValueError(f"bad cadence {self}")
+
+    def ends(self, t: int) -> bool:
+        """Round t closes a window: the replica contributes in its outer step."""
+        return self.window > 0 and (t + self.offset + 1) % self.window == 0
+
+    def starts(self, t: int) -> bool:
+        """Round t opens a window: the replica loads θ(t) and trains the window's steps."""
+        return self.window > 0 and (t == 0 or self.ends(t - 1))
+
+    def steps(self, t: int) -> int:
+        """Inner steps of the window that opens at round t (the first may be shorter: see `offset`)."""
+        end = t
+        while not self.ends(end):
+            end += 1
+        return (end - t + 1) * self.steps_per_round
+
+
+def contribution_scaling(rule: str, steps: int, inner_steps: int, staleness: int) -> tuple[float, float]:
+    """(what its Δ is scaled by, what its token weight is scaled by) for a contribution of `steps` inner steps built
+    `staleness` outer steps ago (`SLOW_RULES`). A rescaled contribution also claims H steps' tokens: with its own
+    the aggregate's per-token norm clip (`protocol/aggregation.py`) would scale it straight back down."""
+    if rule not in SLOW_RULES:
+        raise ValueError(f"slow rule must be one of {', '.join(SLOW_RULES)}, got {rule!r}")
+    rescale = inner_steps / steps if rule.startswith("rescaled") else 1.0
+    discount = (1 + staleness) ** -0.5 if rule.endswith("discounted") else 1.0
+    return rescale * discount, rescale
+
+
+def lab_cadences(replicas: int, inner_steps: int, slow: int, slow_factor: int, window: int) -> list[Cadence]:
+    """The first `replicas − slow` replicas train H steps and contribute every round; the last `slow` train H / F a
+    round, in windows of `window` rounds staggered by their index."""
+    fast = [Cadence(inner_steps)] * (replicas - slow)
+    per_round = inner_steps // slow_factor
+    return fast + [Cadence(per_round, window, j % window if window else 0) for j in range(slow)]
