@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-soak bench-nat bench-local-ranks sim clean
+.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-soak bench-nat bench-local-ranks sim sim-slow clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -169,6 +169,11 @@ bench-nat: venv data
 # The algorithm lab: the paper's three findings on `tiny` (12 cells x 3 seeds in one process, no network; ~1 h).
 sim: venv data
 	$(BIN)/hetero-node-lab sim --out bench/results/sim
+
+# The lab's slow replicas: 2 of 4 at a quarter speed, every round, once per 4 rounds, or sitting out, by rule (~15 min).
+sim-slow: venv data
+	$(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor 4 \
+		--slow-windows 0,1,4 --slow-rules plain,discounted,rescaled,rescaled-discounted --jobs 2 --out bench/results/sim-slow
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

@@ -27,14 +27,17 @@ from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseL
 
 PLOT = "weak_scaling.png"
 DESIGNS = {
-    "dense T_fixed (before)": ("all-to-all", "dense"),
-    "all-to-all (before)": ("all-to-all", "changes"),
-    "today": ("relay-tree", "changes"),
-    "butterfly": ("butterfly", "changes"),
+    "dense T_fixed (before)": ("all-to-all", "dense", False),
+    "all-to-all (before)": ("all-to-all", "changes", False),
+    "today": ("relay-tree", "changes", False),
+    "butterfly": ("butterfly", "changes", False),
+    "today + windows": ("relay-tree", "changes", True),
+    "butterfly + windows": ("butterfly", "changes", True),
 }
-"""design → (exchange, T_fixed upkeep): the protocol before T_fixed followed E_S's changes, the one before the flat
-exchange, today's (at most K = `--max-contributors` messages a round through relay trees), and a butterfly
-exchange (modelled only)."""
+"""design → (exchange, T_fixed upkeep, cadence): the protocol before T_fixed followed E_S's changes, the one before
+the flat exchange, today's (at most K = `--max-contributors` messages a round through relay trees), a butterfly
+exchange (modelled only), and both with slow replicas contributing once per window of rounds (`cadence`, modelled
+only, stale tokens at the lab's value)."""
 
 
 def run_plan_scaling(cfg: PlanScalingConfig, progress: Progress | None = None) -> dict[str, Any]:
@@ -49,8 +52,8 @@ def run_plan_scaling(cfg: PlanScalingConfig, progress: Progress | None = None) -
     task = progress.add_task("swarm sizes", total=len(cfg.size_list) * len(DESIGNS)) if progress else None
     for n in cfg.size_list:
         peers = {p.peer_id: p for p in nodes[:n]}
-        for design, (exchange, upkeep) in DESIGNS.items():
-            model = dataclasses.replace(links, exchange=exchange, table_upkeep=upkeep)
+        for design, (exchange, upkeep, cadence) in DESIGNS.items():
+            model = dataclasses.replace(links, exchange=exchange, table_upkeep=upkeep, cadence=cadence)
             result = auto_plan(peers.values(), run, model, positive_int_list(cfg.h_choices, "--h-choices"))
             rows.append({"nodes": n, "design": design, "best": choice_summary(result.best, peers),
                          "live": choice_summary(result.live, peers), "idle": len(result.idle)})  # fmt: skip
@@ -68,20 +71,22 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"# Weak scaling by the cost model: {c['preset']}, batch {c['batch_size']} × {c['seq_len']}, "
         f"{c['stages']} stages, H from {c['h_choices']} ({c['swarm']})",
         "",
-        "| nodes | design | full + virtual replicas (idle) | messages aggregated per round | H / rank | round s | "
-        "tokens/s | "
-        "weak scaling (all / training) | max MB per peer per round (up / down) | "
+        "| nodes | design | full + virtual replicas (windowed; idle) | nodes training | messages aggregated per "
+        "round | H × batches per step / rank | round s | tokens/s (trained) | "
+        "weak scaling (all / training) | max exchange MB per peer per round (up / down) | "
         "the live planner: tokens/s, weak scaling |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         b, live = r["best"], r["live"]
         lines.append(
-            f"| {r['nodes']:,} | {r['design']} | {b['full_replicas']} + {b['virtual_replicas']} ({r['idle']}) | "
-            f"{b['aggregated']} of {b['contributors']} | {b['inner_steps']} / {b['rank'] or 'dense'} | "
-            f"{b['round_s']:,.1f} | {b['tokens_per_s']:,.0f} | "
-            f"{b['weak_scaling']:.0%} / {b['used_scaling']:.0%} | {b['max_bytes_up_per_peer'] / 1e6:,.1f} / "
-            f"{b['max_bytes_down_per_peer'] / 1e6:,.1f} | {live['tokens_per_s']:,.0f}, {live['weak_scaling']:.0%} |"
+            f"| {r['nodes']:,} | {r['design']} | {b['full_replicas']} + {b['virtual_replicas']} "
+            f"({b['windowed_replicas']}; {r['idle']}) | {b['training_nodes']:,} | "
+            f"{b['aggregated']} of {b['contributors']} | {b['inner_steps']} × {b['accumulation']} / "
+            f"{b['rank'] or 'dense'} | {b['round_s']:,.1f} | {b['tokens_per_s']:,.0f} "
+            f"({b['trained_tokens_per_s']:,.0f}) | {b['weak_scaling']:.0%} / {b['used_scaling']:.0%} | "
+            f"{b['max_exchange_bytes_up_per_peer'] / 1e6:,.1f} / {b['max_exchange_bytes_down_per_peer'] / 1e6:,.1f} | "
+            f"{live['tokens_per_s']:,.0f}, {live['weak_scaling']:.0%} |"
         )
     return "\n".join([*lines, "", f"![weak scaling]({PLOT})", ""])
 
@@ -99,9 +104,10 @@ def _plot(rows: list[dict[str, Any]], cfg: PlanScalingConfig) -> None:
         line = left.plot(sizes, [r["best"]["weak_scaling"] for r in mine], marker="o", label=f"{design}, planned")
         left.plot(sizes, [r["live"]["weak_scaling"] for r in mine], marker="x", linestyle=":",
                   color=line[0].get_color(), label=f"{design}, the live planner")  # fmt: skip
-        right.plot(sizes, [r["best"]["max_bytes_down_per_peer"] / 1e6 for r in mine], marker="o", label=design)
+        right.plot(sizes, [r["best"]["max_exchange_bytes_down_per_peer"] / 1e6 for r in mine], marker="o",
+                   label=design)  # fmt: skip
     left.set(xscale="log", xlabel="nodes", ylabel="weak-scaling efficiency", ylim=(0, 1))
-    right.set(xscale="log", yscale="log", xlabel="nodes", ylabel="max MB downloaded per peer per round")
+    right.set(xscale="log", yscale="log", xlabel="nodes", ylabel="max exchange MB downloaded per peer per round")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

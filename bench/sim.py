@@ -109,10 +109,10 @@ def grid(cfg: SimConfig) -> list[Cell]:
 
 
 def _slow_variants(cfg: SimConfig, cell: Cell) -> list[Cell]:
-    """`cell` with its last `--slow-replicas` slow, once per window and rule swept (a fresh window's discount is
-    1, so only windows of several rounds are discounted)."""
+    """`cell` as it is (every replica fast: the report's reference), then with its last `--slow-replicas` slow, once
+    per window and rule swept (a fresh window's discount is 1, so only windows of several rounds are discounted)."""
     slow = dict(slow=cfg.slow_replicas, slow_factor=cfg.slow_factor)
-    variants = []
+    variants = [cell]
     for w in cfg.window_list:
         rules = [r for r in cfg.slow_rule_list if w > 1 or not r.endswith("discounted")] if w else [""]
         variants += [dataclasses.replace(cell, **slow, window=w, slow_rule=rule) for rule in rules]

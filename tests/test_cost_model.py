@@ -17,15 +17,18 @@ from factories import peer_record, run_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hetero_node.client.swarm import cost_model
 from hetero_node.client.swarm.auto_plan import MarginalGain, auto_plan, count_grid, live_assignment, requirements
 from hetero_node.client.swarm.cost_model import (
     Assignment,
     LinkModel,
     RunShape,
+    accumulated_pace,
     exchange_bytes,
     exchange_hops,
     predict_round,
     relay_upload_bytes,
+    virtual_step_s,
 )
 from hetero_node.client.swarm.membership import Membership
 from hetero_node.client.swarm.planner import PeerInfo, Plan, plan
@@ -91,6 +94,64 @@ def test_latency_overlap_memory_and_sitting_out() -> None:
     full_only = predict_round(PEERS, Assignment(("a", "b")), overlapped, LinkModel(matchmaking_s=30))
     assert full_only.round_s == pytest.approx(full_only.nodes["a"].exchange_s)  # the exchange outlasts the window
     assert not predict_round({"x": peer("x", 100, 8, memory_gb=4)}, Assignment(("x",)), SHAPE).feasible
+
+
+def test_a_round_is_stretched_past_its_exchange_as_the_protocol_does_with_bigger_steps_not_more() -> None:
+    """Two full replicas of 1 s per step, H = 10, a 3 s exchange: at 90% utilisation the window is 3.004 × 0.9 /
+    (0.1 − 1/20) = 54.07 s (`RoundClock.stretched`), 5 times H steps, so each takes 10 steps of 5 batches."""
+    pair = {"a": peer("a", 100, 8), "b": peer("b", 100, 8)}
+    links = LinkModel(matchmaking_s=3.0, overhead_bytes=0)
+    flat = predict_round(pair, Assignment(("a", "b")), SHAPE, links)
+    assert flat.window_s == pytest.approx(10.0) and flat.accumulation == 1  # the target off: H steps
+    exchange = flat.nodes["a"].exchange_s
+    assert exchange == pytest.approx(4000 * 8 / 8e6 + 3.0)
+    p = predict_round(pair, Assignment(("a", "b")), dataclasses.replace(SHAPE, target_utilisation=0.9), links)
+    assert p.window_s == pytest.approx(exchange * 0.9 / 0.05) and p.accumulation == 5
+    assert (p.nodes["a"].steps, p.nodes["a"].batches) == (10, 50) and p.tokens_per_round == 2 * 50 * 100
+    assert p.round_s == pytest.approx(p.window_s + exchange)
+    assert p.utilisation("a") == pytest.approx(50 / p.round_s)
+    assert p.utilisation("a") > 0.85 > flat.utilisation("a")
+    capped = predict_round(pair, Assignment(("a", "b")), dataclasses.replace(SHAPE, target_utilisation=0.9),
+                           LinkModel(matchmaking_s=300.0, overhead_bytes=0))  # fmt: skip
+    assert capped.window_s == pytest.approx(30 * 10.0) and capped.accumulation == 30  # MAX_STRETCH
+
+
+def test_a_pipelines_accumulated_batches_stream_and_pay_its_fill_and_round_trips_once_a_step() -> None:
+    slot = (0.5 + 50 * 8 / 1e6) / 2  # c and d: 0.5 s of compute and 50 bytes at 1 Mbit/s per batch, 2 microbatches
+    holders = [PEERS["c"], PEERS["d"]]
+    per_batch, per_step = accumulated_pace(holders, SHAPE, LinkModel())
+    assert per_batch == pytest.approx(2 * slot) and per_batch + per_step == pytest.approx(3 * slot)  # one: GPipe
+    far = LinkModel(rtt_ms=2000)  # 2 s across the boundary: the two batches in flight wait for it
+    per_batch, per_step = accumulated_pace(holders, SHAPE, far)
+    assert per_batch == pytest.approx((2.0 + 2 * slot) / 2)
+    assert per_batch + per_step == pytest.approx(virtual_step_s(holders, SHAPE, far))
+
+
+def test_with_windows_a_replica_that_would_hold_the_round_trains_less_and_contributes_at_its_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fast full replica and one 4× slower on a link so slow that its exchange takes 4.2 s: today it lengthens
+    every round. With windows it leaves the critical path: at the lab's values (stale tokens worthless) it trains
+    what fits in the round less its own exchange and contributes fresh every round; were a window of 4 rounds worth
+    as much, it would train 4 rounds less its exchange and its catching up (3.2 s a skipped round) instead."""
+    swarm = {"a": peer("a", 100, 8), "s": peer("s", 25, 0.01)}
+    today = predict_round(swarm, Assignment(("a", "s")), SHAPE, BARE)
+    assert today.round_s == pytest.approx(today.window_s + today.nodes["s"].exchange_s)
+    assert today.nodes["s"].exchange_s == pytest.approx(4000 * 8 / 1e4 + 1.0)
+    windows = dataclasses.replace(BARE, cadence=True)
+    p = predict_round(swarm, Assignment(("a", "s")), SHAPE, windows)
+    a, s = p.nodes["a"], p.nodes["s"]
+    assert (a.every, a.batches) == (1, 10) and p.round_s == pytest.approx(10.0 + a.exchange_s)  # without s's wait
+    assert s.every == 1 and s.batches == int((p.round_s - s.exchange_s) / 4.0) == 1
+    assert p.tokens_per_round == pytest.approx(11 * 100) and p.tokens_per_s == pytest.approx(1100 / p.round_s)
+    assert p.utilisation("s") == pytest.approx(4.0 / p.round_s)
+    monkeypatch.setattr(cost_model, "STALE_TOKEN_VALUE", {1: 1.0, 4: 0.8})
+    p = predict_round(swarm, Assignment(("a", "s")), SHAPE, windows)
+    s = p.nodes["s"]
+    assert s.every == 4 and s.batches == int((4 * p.round_s - s.exchange_s - 3 * 4000 * 8 / 1e4) / 4.0) == 7
+    assert s.bytes_down == 4 * 4000  # every round's messages, caught up
+    assert p.tokens_per_round == pytest.approx((10 + 7 / 4) * 100)
+    assert p.tokens_per_s == pytest.approx((10 + 7 * 0.8 / 4) * 100 / p.round_s)
 
 
 def test_butterfly_bytes_stay_flat_while_all_to_all_grows_with_the_swarm() -> None:
@@ -375,13 +436,8 @@ def test_bench_plan_reports_every_size_and_design_and_butterfly_never_moves_more
     assert [(r["nodes"], r["design"]) for r in rows] == [(n, d) for n in (3, 8) for d in DESIGNS]
     for n in (3, 8):
         by_design = {r["design"]: r["best"] for r in rows if r["nodes"] == n}
-        today = by_design["today"]["max_bytes_down_per_peer"]
-        assert by_design["butterfly"]["max_bytes_down_per_peer"] <= today
-        assert today <= by_design["all-to-all (before)"]["max_bytes_down_per_peer"]
-        assert (
-            by_design["all-to-all (before)"]["max_bytes_down_per_peer"]
-            <= (by_design["dense T_fixed (before)"]["max_bytes_down_per_peer"])
-        )
+        moved = {d: b["max_exchange_bytes_down_per_peer"] for d, b in by_design.items()}
+        assert moved["butterfly"] <= moved["today"] <= moved["all-to-all (before)"] <= moved["dense T_fixed (before)"]
         assert all(0 < b["weak_scaling"] <= b["used_scaling"] <= 1 for b in by_design.values())
     assert (cfg.out / PLOT).read_bytes().startswith(b"\x89PNG")
     assert "| 8 | today |" in (cfg.out / "report.md").read_text()

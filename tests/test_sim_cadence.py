@@ -47,6 +47,7 @@ def test_the_grid_sweeps_windows_and_rules_and_bad_slow_options_are_refused() ->
                     slow_rules="plain,discounted,rescaled")  # fmt: skip
     names = [c.name for c in grid(cfg)]
     assert names == [
+        "sparseloco R4 H20 k64",
         "sparseloco R4 H20 k64 slow2/4 sit out",
         "sparseloco R4 H20 k64 slow2/4 w1 plain",
         "sparseloco R4 H20 k64 slow2/4 w1 rescaled",

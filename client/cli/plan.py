@@ -45,6 +45,11 @@ class PlanConfig:
         default="changes",
         metadata={"help": f"How later stages keep T_fixed current: {', '.join(TABLE_UPKEEPS)} (today: changes)."},
     )
+    cadence: bool = field(
+        default=False,
+        metadata={"help": "Model slow replicas contributing once per window of rounds, off the round's critical path "
+                          "(modelled only: the protocol does not run it yet)."},
+    )  # fmt: skip
     h_choices: str = field(
         default=",".join(map(str, H_CHOICES)), metadata={"help": "H values the planner may choose from."}
     )
@@ -93,7 +98,7 @@ def run_plan(cfg: PlanConfig, run: RunConfig) -> tuple[AutoPlan, dict[str, PeerI
     else:
         nodes, links = load_swarm(cfg.swarm, get_preset(run.preset, vocab_size=run.vocab_size).n_params())
         current, where, baseline = None, str(cfg.swarm), "the live planner"
-    links = dataclasses.replace(links, exchange=cfg.exchange, table_upkeep=cfg.table_upkeep)
+    links = dataclasses.replace(links, exchange=cfg.exchange, table_upkeep=cfg.table_upkeep, cadence=cfg.cadence)
     try:
         result = auto_plan(nodes, run, links, cfg.h_list)
     except ValueError as e:
@@ -145,6 +150,7 @@ def choice_summary(choice: Choice, peers: dict[str, PeerInfo]) -> dict[str, Any]
     solo = sum(peer.tokens_per_s for peer in peers.values())
     used = [n for n in p.nodes.values() if n.steps]
     used_solo = sum(peers[name].tokens_per_s for name, n in p.nodes.items() if n.steps)
+    replicas = {n.replica: n for n in used}
     return {
         "full_replicas": len(choice.assignment.full),
         "virtual_replicas": len(choice.assignment.virtual),
@@ -156,11 +162,21 @@ def choice_summary(choice: Choice, peers: dict[str, PeerInfo]) -> dict[str, Any]
         "window_s": p.window_s,
         "tokens_per_round": p.tokens_per_round,
         "tokens_per_s": p.tokens_per_s,
+        "trained_tokens_per_s": p.trained_tokens_per_s,
+        "windowed_replicas": sum(1 for n in replicas.values() if n.every > 1),
+        "training_nodes": len(used),
         "weak_scaling": p.tokens_per_s / solo if solo else None,
         "used_scaling": p.tokens_per_s / used_solo if used_solo else None,
-        "mean_utilisation": sum(n.compute_s for n in used) / (len(used) * p.round_s) if used and p.round_s else None,
+        "mean_utilisation": sum(n.compute_s / n.every for n in used) / (len(used) * p.round_s)
+        if used and p.round_s
+        else None,
         "max_bytes_up_per_peer": max((n.bytes_up for n in p.nodes.values()), default=0.0),
         "max_bytes_down_per_peer": max((n.bytes_down for n in p.nodes.values()), default=0.0),
+        "max_exchange_bytes_up_per_peer": max((n.bytes_up - n.boundary_up for n in p.nodes.values()), default=0.0),
+        "max_exchange_bytes_down_per_peer": max(
+            (n.bytes_down - n.boundary_down for n in p.nodes.values()), default=0.0
+        ),
+        "accumulation": p.accumulation,
     }
 
 
@@ -188,7 +204,8 @@ def print_plan(
     result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console, baseline: str = "the live planner"
 ) -> None:
     best, live = choice_summary(result.best, peers), choice_summary(result.live, peers)
-    summary = Table(title=f"plan for {len(peers)} nodes ({cfg.exchange} exchange, {cfg.table_upkeep} T_fixed)")
+    windows = ", slow replicas once per window (modelled)" if cfg.cadence else ""
+    summary = Table(title=f"plan for {len(peers)} nodes ({cfg.exchange} exchange, {cfg.table_upkeep} T_fixed{windows})")
     summary.add_column("")
     summary.add_column("optimised", justify="right")
     summary.add_column(baseline, justify="right")
@@ -197,7 +214,8 @@ def print_plan(
         ("replicas that train", lambda s: str(s["contributors"])),
         ("H / boundary rank", lambda s: f"{s['inner_steps']} / {s['rank'] or 'dense'}"),
         ("round s (training window)", lambda s: f"{s['round_s']:,.1f} ({s['window_s']:,.1f})"),
-        ("tokens/s", lambda s: f"{s['tokens_per_s']:,.0f}"),
+        ("tokens/s (stale ones at their value)", lambda s: f"{s['tokens_per_s']:,.0f}"),
+        ("replicas once per window of rounds", lambda s: str(s["windowed_replicas"])),
         ("weak scaling (all nodes / nodes that train)",
          lambda s: f"{_percent(s['weak_scaling'])} / {_percent(s['used_scaling'])}"),
         ("mean compute utilisation", lambda s: "" if s["mean_utilisation"] is None else f"{s['mean_utilisation']:.0%}"),
@@ -208,7 +226,7 @@ def print_plan(
         summary.add_row(label, render(best), render(live))
     console.print(summary)
     table = Table(title="replicas (optimised plan)")
-    for column in ("replica", "nodes (stage order)", "steps/round", "compute s", "exchange s", "MB up", "MB down"):
+    for column in ("replica", "nodes (stage order)", "steps / rounds", "compute s", "exchange s", "MB up", "MB down"):
         table.add_column(column, justify="left" if column.startswith(("replica", "nodes")) else "right")
     prediction = result.best.prediction
     replicas: dict[int, list[str]] = {}
@@ -218,7 +236,7 @@ def print_plan(
         nodes = [prediction.nodes[m] for m in members]
         kind = "full" if nodes[0].role == "full" else "virtual"
         table.add_row(
-            f"{replica} ({kind})", ", ".join(members), str(nodes[0].steps),
+            f"{replica} ({kind})", ", ".join(members), f"{nodes[0].steps} / {nodes[0].every}",
             f"{max(n.compute_s for n in nodes):.1f}", f"{max(n.exchange_s for n in nodes):.1f}",
             _mb(max(n.bytes_up for n in nodes)), _mb(max(n.bytes_down for n in nodes)),
         )  # fmt: skip

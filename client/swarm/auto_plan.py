@@ -9,8 +9,9 @@ structured so that it stays small for a thousand peers:
   predicted steps become virtual replicas (a slow one may cost the swarm more exchange time than its tokens are
   worth, and is left idle);
 * the boundary rank is one of d/8, d/16, d/32 or the run's own, and H one of `h_choices`.
-f and v are searched on a grid (every count up to 8, then steps of a quarter), first at the run's rank and H,
-then rank and H at the best (f, v), then (f, v) again. The score is the predicted tokens/s. The quality cost is
+f and v are searched on a grid (every count up to 8, then steps of a quarter), first at the run's H and every
+rank (a pipeline on slow links is worth more at a lower rank), then rank and H at the best (f, v), then (f, v)
+again. The score is the predicted tokens/s. The quality cost is
 bounded, not traded: ranks below d/32 are not offered (the algorithm lab's finding 3: compress-all diverges at
 d/64), and among plans within `TOLERANCE` of the best tokens/s the one with the smallest H (more frequent outer
 steps), then the largest rank (less compression), wins. The live planner's plan (`live_assignment`) is a candidate
@@ -228,16 +229,16 @@ def auto_plan(
         return [c for c in (evaluate(a, shape) for a in _assignments(by_id, shape, links)) if c is not None]
 
     first_h = base.inner_steps if base.inner_steps in h_choices else h_choices[0]
-    pool = best_layout(first_h, base.rank)
+    ranks = sorted({base.rank, *(_rank(d, base.d_model) for d in RANK_DIVISORS)}) if base.rank else [None]
+    pool = [c for rank in ranks for c in best_layout(first_h, rank)]  # a pipeline's worth depends on its rank
     if first_h == base.inner_steps and live.prediction.feasible and live.assignment.replicas:
         pool.append(live)
     if not pool:
         raise ValueError("no node can hold the model or complete a virtual replica: nothing to plan")
     layout = _choose(pool).assignment
-    ranks = sorted({base.rank, *(_rank(d, base.d_model) for d in RANK_DIVISORS)}) if base.rank else [None]
     settings = [evaluate(layout, shape_for(h, r)) for h in h_choices for r in ranks]
     chosen = _choose([c for c in settings if c is not None] + pool)
-    final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
+    final = [*best_layout(chosen.inner_steps, chosen.rank), chosen, _choose(pool)]
     best = _choose(final)
     used = set(best.assignment.full) | {p for vr in best.assignment.virtual for p in vr}
     return AutoPlan(best, live, tuple(sorted(set(by_id) - used)))

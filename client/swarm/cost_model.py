@@ -8,8 +8,12 @@ One round, as the protocol runs it:
 * a full replica's inner step takes tokens_per_step / tokens_per_s (its measured full-model throughput); a virtual
   replica's is a GPipe step: M + S − 1 microbatch slots of its slowest stage (its share of the model's FLOPs at
   its node's speed, plus its boundary traffic at its link), plus a one-way latency per boundary each way;
-* the training window is H steps of the fastest replica (`--round-s 0`); each replica trains the whole steps
-  that fit and sits the round out below `min_inner_steps`;
+* the training window is H steps of the fastest replica (`--round-s 0`), stretched as the protocol stretches it
+  (`client/roles/schedule.py`) until training fills `--target-utilisation` of a round next to the full replicas'
+  upper-median exchange (at most `MAX_STRETCH` times); a stretched round's steps accumulate A = ⌊window / H steps⌋
+  batches, and a virtual replica streams them, two batches in flight, paying its GPipe fill and round trips once a
+  step (`accumulated_pace`). Each replica trains the whole steps that fit and sits the round out below
+  `min_inner_steps`;
 * the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
   (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees,
   K(C−1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
@@ -27,6 +31,16 @@ One round, as the protocol runs it:
   overhead and a round trip;
 * the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
   behind the next window, so the round is the longer of the two (stage peers still wait theirs out).
+
+With `cadence` (modelled; the protocol does not run it yet) a replica that would lengthen the round leaves its
+critical path: the *core* (replicas that train `min_inner_steps` in the window and whose exchange is within
+`CORE_EXCHANGE_SLACK` of the fastest replica's) sets the round as above, and every other replica contributes once
+per w rounds (w from `STALE_TOKEN_VALUE`), training from the θ it loaded for w rounds less its own exchange and
+its catching up (each skipped round's download, taken in turn with training, not overlapped). Such a contribution
+is w − 1 outer steps stale, so its tokens count at the value the algorithm lab measured for w
+(`hetero-node-lab sim --slow-windows`); each replica takes the w with the most tokens of value per round. The lab
+found stale tokens worthless, so w = 1 wins: a slow-link replica stops training early enough that its own exchange
+ends with the round's, and contributes fresh every round.
 """
 
 from __future__ import annotations
@@ -47,6 +61,15 @@ EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
 protocol before it (O(R) messages per peer); butterfly: another flat alternative, modelled only."""
 TABLE_UPKEEPS = ("changes", "dense")
 """changes: later stages download the entries of E_S the outer step changed (today); dense: the whole T_fixed."""
+
+
+STALE_TOKEN_VALUE = {1: 1.0, 2: 0.03, 4: 0.0}
+"""w → what a slow replica's token trained in a window of w rounds (w − 1 outer steps stale) is worth against a fast
+replica's: the algorithm lab's measurement, only the windows it measured (`make sim-slow` and bench/README, *Slow
+replicas*: fresh ones every round 1.08, capped at 1; one round stale, Δ discounted, 0.03; three rounds stale ≤ 0,
+stale contributions undiscounted hurt). So the model's windowed replicas contribute every round: w = 1."""
+CORE_EXCHANGE_SLACK = 0.25
+"""Under `cadence`, a replica whose exchange exceeds the fastest replica's by more than this is off the core."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,8 @@ class RunShape:
     stage_memory_bytes: tuple[int, ...]
     rank: int | None  # the boundary's subspace rank (None: dense boundaries)
     d_model: int
+    target_utilisation: float = 0.0  # rounds are stretched so that training fills this share (0: H steps)
+    batches_in_flight: int = 2  # a pipeline's batches in flight when its steps accumulate (`models/stages.py`)
     relayed: bool = True  # messages travel through relay trees (SparseLoCo); DiLoCo's come from their authors
 
     @property
@@ -89,7 +114,7 @@ def _shape(run: RunConfig) -> RunShape:
     from hetero_node.models.memory import full_and_stage_memory, parameter_count
     from hetero_node.models.meta import on_meta
     from hetero_node.models.shards import shard_parameter_names
-    from hetero_node.models.stages import stage_layer_ranges
+    from hetero_node.models.stages import BATCHES_IN_FLIGHT, stage_layer_ranges
     from hetero_node.models.transformer import Transformer
     from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD, BoundaryFormat
 
@@ -127,6 +152,8 @@ def _shape(run: RunConfig) -> RunShape:
         stage_memory_bytes=tuple(per_stage),
         rank=rank,
         d_model=cfg.d_model,
+        target_utilisation=run.outer.target_utilisation if run.outer.round_s <= 0 else 0.0,
+        batches_in_flight=BATCHES_IN_FLIGHT,
     )
 
 
@@ -145,6 +172,8 @@ class LinkModel:
     matchmaking_s: float = 1.0
     exchange: str = "relay-tree"
     table_upkeep: str = "changes"
+    cadence: bool = False
+    """Slow replicas contribute once per window of several rounds, off the round's critical path (modelled only)."""
     overhead_bytes: float = 0.53e6
     """What a member sends (and receives) per round besides messages: DHT records, matchmaking, manifests,
     verification. 0.53 MB is the 4-node lab's figure (the sparseloco run of `make bench-long`)."""
@@ -179,25 +208,43 @@ class NodeRound:
     steps: int  # inner steps it trains (0: it sits the round out)
     compute_s: float
     exchange_s: float
-    bytes_up: float  # per round: outer exchange + T_fixed + pipeline boundaries
+    bytes_up: float  # per contribution: outer exchange + T_fixed + pipeline boundaries
     bytes_down: float
     memory_ok: bool
+    every: int = 1
+    """Rounds per contribution (`cadence`): steps, compute, exchange and bytes are per contribution."""
+    batches: int = 0
+    """Batches it trains per contribution (steps × the round's accumulation; a window's may exceed H steps' worth)."""
+    boundary_up: float = 0.0
+    """Of `bytes_up` / `bytes_down`, what its pipeline's boundaries move (the rest is the exchange)."""
+    boundary_down: float = 0.0
 
 
 @dataclass(frozen=True)
 class RoundPrediction:
     window_s: float
     round_s: float
-    tokens_per_round: int
-    """Tokens the replicas train (with K < contributors, only K messages a round carry them into θ at once; the
-    others' wait in their error feedback: the lab measures what that costs, the model does not)."""
+    tokens_per_round: float
+    """Tokens the replicas train per round (a windowed replica's spread over its window; with K < contributors,
+    only K messages a round carry them into θ at once; the others' wait in their error feedback: the lab measures
+    what that costs, the model does not)."""
     contributors: int
     nodes: dict[str, NodeRound]
     aggregated: int = 0
     """Messages each shard's round aggregates: min(K, contributors) under relay-tree, else every contributor's."""
+    effective_tokens_per_round: float | None = None
+    """`tokens_per_round` with stale windows' tokens at their value (`STALE_TOKEN_VALUE`); None: all fresh."""
+    accumulation: int = 1
+    """Batches per inner step: the window stretched past H steps of the fastest replica (`_stretched`)."""
 
     @property
     def tokens_per_s(self) -> float:
+        """What the planner maximises: tokens per second that reach θ, stale ones at their value."""
+        effective = self.effective_tokens_per_round
+        return (self.tokens_per_round if effective is None else effective) / self.round_s if self.round_s > 0 else 0.0
+
+    @property
+    def trained_tokens_per_s(self) -> float:
         return self.tokens_per_round / self.round_s if self.round_s > 0 else 0.0
 
     @property
@@ -205,7 +252,8 @@ class RoundPrediction:
         return all(n.memory_ok for n in self.nodes.values())
 
     def utilisation(self, peer_id: str) -> float:
-        return self.nodes[peer_id].compute_s / self.round_s if self.round_s > 0 else 0.0
+        node = self.nodes[peer_id]
+        return node.compute_s / (node.every * self.round_s) if self.round_s > 0 else 0.0
 
     @property
     def max_bytes_per_peer(self) -> float:
@@ -237,16 +285,34 @@ def boundary_bytes(stage: int, shape: RunShape) -> tuple[int, int]:
     return up, down
 
 
-def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, links: LinkModel) -> float:
-    """A GPipe inner step: (M + S − 1) slots of the slowest stage, plus latency across every boundary each way."""
+def _slot_s(holders: Sequence[PeerInfo], shape: RunShape) -> float:
+    """A pipeline's slot: one microbatch's forward and backward on its slowest stage, boundary transfers included."""
     slots = []
     for stage, peer in enumerate(holders):
         if peer.tokens_per_s <= 0:
             return math.inf
         compute = shape.tokens_per_step * shape.stage_compute_share[stage] / peer.tokens_per_s
         slots.append((compute + _transfer_s(*boundary_bytes(stage, shape), peer)) / shape.microbatches)
+    return max(slots)
+
+
+def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, links: LinkModel) -> float:
+    """A GPipe inner step: (M + S − 1) slots of the slowest stage, plus latency across every boundary each way."""
     latency = (shape.stages - 1) * links.rtt_ms / 1e3  # one way forward and one way back per boundary
-    return (shape.microbatches + shape.stages - 1) * max(slots) + latency
+    return (shape.microbatches + shape.stages - 1) * _slot_s(holders, shape) + latency
+
+
+def accumulated_pace(holders: Sequence[PeerInfo], shape: RunShape, links: LinkModel) -> tuple[float, float]:
+    """(seconds per batch, seconds per step) of a virtual replica whose steps accumulate several batches
+    (`client/roles/pipeline_schedule.py`): `batches_in_flight` batches' microbatches stream through the pipeline, so a
+    batch costs M slots, or a share of a microbatch's trip through the pipeline and back where latency is longer;
+    a step of one batch is `virtual_step_s`, the GPipe step, and each step pays the difference once."""
+    slot = _slot_s(holders, shape)
+    if not math.isfinite(slot):
+        return math.inf, 0.0
+    latency = (shape.stages - 1) * links.rtt_ms / 1e3
+    per_batch = max(shape.microbatches * slot, (latency + shape.stages * slot) / shape.batches_in_flight)
+    return per_batch, virtual_step_s(holders, shape, links) - per_batch
 
 
 def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int = 0) -> float:
@@ -281,77 +347,194 @@ def exchange_hops(contributors: int, exchange: str) -> int:
     return 1
 
 
+Member = tuple[str, str, int, int, tuple[int, ...]]
+"""(peer, role, replica, stage, shards held) of one node in an assignment."""
+
+
 def predict_round(
     peers: Mapping[str, PeerInfo], assignment: Assignment, shape: RunShape, links: LinkModel = LinkModel()
 ) -> RoundPrediction:
     """The model's round for this assignment (see the module docstring). Unknown peer ids are a KeyError."""
-    step_s: list[float] = [full_step_s(peers[p], shape) for p in assignment.full]
-    step_s += [virtual_step_s([peers[p] for p in vr], shape, links) for vr in assignment.virtual]
+    paces = [(full_step_s(peers[p], shape), 0.0) for p in assignment.full]
+    paces += [accumulated_pace([peers[p] for p in vr], shape, links) for vr in assignment.virtual]
+    step_s = [per_batch + per_step for per_batch, per_step in paces]  # a step of one batch
     finite = [s for s in step_s if math.isfinite(s)]
-    window = shape.inner_steps * min(finite) if finite else 0.0
-    steps = [int(window / s + 1e-9) if math.isfinite(s) else 0 for s in step_s]
-    steps = [n if n >= shape.min_inner_steps else 0 for n in steps]
-    contributors = sum(1 for n in steps if n)
-    exchange = links.exchange if shape.relayed or links.exchange != "relay-tree" else "all-to-all"
-    limit = shape.max_contributors if exchange == "relay-tree" else 0
-
-    members: list[tuple[str, str, int, int, tuple[int, ...]]] = []  # (peer, role, replica, stage, shards held)
-    members += [(p, "full", i, -1, tuple(range(shape.stages))) for i, p in enumerate(assignment.full)]
+    base = shape.inner_steps * min(finite) if finite else 0.0
+    members: list[Member] = [(p, "full", i, -1, tuple(range(shape.stages))) for i, p in enumerate(assignment.full)]
     members += [
         (p, "stage", len(assignment.full) + v, s, (s,))
         for v, vr in enumerate(assignment.virtual)
         for s, p in enumerate(vr)
     ]
-    slow = _slow_holders(peers, members, steps, shape.stages) if exchange == "relay-tree" else {}
-    shard0_holders = sum(1 for _, _, replica, stage, _ in members if stage <= 0 and steps[replica])
-    table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and steps[replica])
+    roles = {replica: role for _, role, replica, _, _ in members}
+
+    def replica_exchange(exchanges: Mapping[str, tuple[float, float, float]]) -> list[float]:
+        return [max((exchanges[p][2] for p, _, r, _, _ in members if r == i), default=0.0) for i in range(len(paces))]
+
+    steps = _steps_in(base, 1, paces, shape.min_inner_steps)
+    trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
+    exchanges = _exchanges(peers, members, trains, shape, links)
+    window, accumulation = _stretched(base, [e for r, e in enumerate(replica_exchange(exchanges))
+                                             if roles[r] == "full" and trains[r]], shape)  # fmt: skip
+    if window > base:  # the protocol's stretched round: H bigger steps (`client/roles/schedule.py`)
+        steps = _steps_in(window, accumulation, paces, shape.min_inner_steps)
+        stretched_trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
+        if stretched_trains != trains:
+            trains, exchanges = stretched_trains, _exchanges(peers, members, stretched_trains, shape, links)
+    batches = [n * accumulation for n in steps]
+    every = [1] * len(paces)
+    per_replica = replica_exchange(exchanges)
+    if links.cadence and finite:
+        core = _core(step_s, steps, per_replica)
+        round_s = _round_s(window, [(roles[r], per_replica[r]) for r in core], shape)
+        for r in set(range(len(paces))) - core:  # catching up: a round's download, for each round it skips
+            catch_up = max(_transfer_s(0, exchanges[p][1], peers[p]) for p, _, i, _, _ in members if i == r)
+            batches[r], every[r] = _window(paces[r], per_replica[r], catch_up, round_s, shape)
+            steps[r] = min(batches[r], shape.inner_steps)
+    else:
+        round_s = _round_s(window, [(roles[r], per_replica[r]) for r in range(len(paces)) if steps[r]], shape)
+
     nodes = {}
-    for peer_id, role, replica, stage, shards in members:
-        peer, n = peers[peer_id], steps[replica]
-        up = down = 0.0  # the round's exchange: messages of the shards held, T_fixed, protocol overhead
-        if n:
-            down = links.overhead_bytes + sum(
-                exchange_bytes(shape.shard_message_bytes[s], contributors, exchange, limit) for s in shards
-            )
-            up = down
-            if exchange == "relay-tree":  # slow leaves (`protocol/flat_exchange.py`): the fast members upload more
-                sizes = {s: shape.shard_message_bytes[s] for s in shards}
-                up = links.overhead_bytes + sum(
-                    relay_upload_bytes(size, contributors, limit, len(slow[s]), peer_id in slow[s])
-                    for s, size in sizes.items()
-                )
-            table_down, table_up = _table_upkeep_bytes(
-                shape, links, aggregated(contributors, limit), shard0_holders, table_fetchers
-            )
-            if stage > 0:
-                down += table_down
-            else:
-                up += table_up
-        hops = exchange_hops(contributors, exchange)
-        held = sum(shape.shard_message_bytes[s] for s in shards)  # each relay stores a message, then forwards it
-        latency = hops * links.rtt_ms / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
-        exchange_s = _transfer_s(up, down, peer) + links.matchmaking_s + latency if n else 0.0
+    for peer_id, role, replica, stage, _ in members:
+        peer, n = peers[peer_id], batches[replica]
+        up, down, exchange_s = exchanges[peer_id] if n else (0.0, 0.0, 0.0)
+        down *= every[replica]  # a windowed replica catches up every round it skipped
+        b_up, b_down = (n * b for b in boundary_bytes(stage, shape)) if role == "stage" else (0, 0)
+        up, down = up + b_up, down + b_down
         if role == "stage":
-            b_up, b_down = boundary_bytes(stage, shape)
-            up, down = up + n * b_up, down + n * b_down
             compute = n * shape.tokens_per_step * shape.stage_compute_share[stage] / peer.tokens_per_s if n else 0.0
             memory = shape.stage_memory_bytes[stage]
         else:
             compute, memory = (n * full_step_s(peer, shape) if n else 0.0), shape.full_memory_bytes
-        nodes[peer_id] = NodeRound(role, replica, n, compute, exchange_s, up, down, memory <= peer.memory_bytes)
-    round_s = _round_s(window, nodes, shape)
-    tokens = sum(steps) * shape.tokens_per_step
-    return RoundPrediction(window, round_s, tokens, contributors, nodes, aggregated(contributors, limit))
+        nodes[peer_id] = NodeRound(
+            role, replica, steps[replica], compute, exchange_s, up, down, memory <= peer.memory_bytes, every[replica],
+            n, b_up, b_down,
+        )  # fmt: skip
+    tokens = sum(n / w for n, w in zip(batches, every, strict=True)) * shape.tokens_per_step
+    effective = None
+    if links.cadence:
+        effective = sum(n / w * STALE_TOKEN_VALUE[w] for n, w in zip(batches, every, strict=True))
+        effective *= shape.tokens_per_step
+    contributors = sum(1 for n in batches if n)
+    limit = shape.max_contributors if _exchange_kind(shape, links) == "relay-tree" else 0
+    return RoundPrediction(
+        window, round_s, tokens, contributors, nodes, aggregated(contributors, limit), effective, accumulation
+    )
+
+
+def _exchange_kind(shape: RunShape, links: LinkModel) -> str:
+    """The exchange modelled: DiLoCo's messages come from their authors, never through relay trees."""
+    return links.exchange if shape.relayed or links.exchange != "relay-tree" else "all-to-all"
+
+
+def _steps_in(window: float, accumulation: int, paces: Sequence[tuple[float, float]], min_steps: int) -> list[int]:
+    """Inner steps of `accumulation` batches each replica fits in the window (0 below `min_steps`)."""
+    steps = []
+    for per_batch, per_step in paces:
+        step = accumulation * per_batch + per_step
+        n = int(window / step + 1e-9) if math.isfinite(step) else 0
+        steps.append(n if n >= min_steps else 0)
+    return steps
+
+
+def _stretched(base: float, full_exchanges: Sequence[float], shape: RunShape) -> tuple[float, int]:
+    """(window, batches per step): the protocol stretches a round of H steps of the fastest replica (`base`) so that
+    training fills `target_utilisation` of it next to the full replicas' upper-median overhead, here their
+    exchange; at most `MAX_STRETCH` × `base` (`client/roles/schedule.py: RoundClock`). Not under overlap, whose
+    overhead (the settling of an outer step) the model does not know."""
+    if shape.overlap or shape.target_utilisation <= 0 or not full_exchanges or base <= 0:
+        return base, 1
+    from hetero_node.client.roles.schedule import MAX_ACCUMULATION, MAX_STRETCH  # here: it loads torch (`_shape`)
+
+    overhead = sorted(full_exchanges)[len(full_exchanges) // 2]
+    slack = 1 - shape.target_utilisation - 1 / (2 * shape.inner_steps)
+    stretched = overhead * shape.target_utilisation / slack if slack > 0 else math.inf
+    window = max(base, min(stretched, MAX_STRETCH * base))
+    return window, min(MAX_ACCUMULATION, max(1, int(window / base + 1e-9)))
+
+
+def _exchanges(
+    peers: Mapping[str, PeerInfo], members: Sequence[Member], trains: Sequence[bool], shape: RunShape,
+    links: LinkModel,
+) -> dict[str, tuple[float, float, float]]:  # fmt: skip
+    """peer → (bytes up, bytes down, seconds) of its round's exchange: the messages of the shards it holds, T_fixed,
+    the protocol's overhead; nothing for a replica that does not train."""
+    contributors = sum(1 for t in trains if t)
+    exchange = _exchange_kind(shape, links)
+    limit = shape.max_contributors if exchange == "relay-tree" else 0
+    slow = _slow_holders(peers, members, trains, shape.stages) if exchange == "relay-tree" else {}
+    shard0_holders = sum(1 for _, _, replica, stage, _ in members if stage <= 0 and trains[replica])
+    table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and trains[replica])
+    exchanges = {}
+    for peer_id, _, replica, stage, shards in members:
+        peer = peers[peer_id]
+        if not trains[replica]:
+            exchanges[peer_id] = (0.0, 0.0, 0.0)
+            continue
+        down = links.overhead_bytes + sum(
+            exchange_bytes(shape.shard_message_bytes[s], contributors, exchange, limit) for s in shards
+        )
+        up = down
+        if exchange == "relay-tree":  # slow leaves (`protocol/flat_exchange.py`): the fast members upload more
+            up = links.overhead_bytes + sum(
+                relay_upload_bytes(shape.shard_message_bytes[s], contributors, limit, len(slow[s]), peer_id in slow[s])
+                for s in shards
+            )
+        table_down, table_up = _table_upkeep_bytes(
+            shape, links, aggregated(contributors, limit), shard0_holders, table_fetchers
+        )
+        if stage > 0:
+            down += table_down
+        else:
+            up += table_up
+        hops = exchange_hops(contributors, exchange)
+        held = sum(shape.shard_message_bytes[s] for s in shards)  # each relay stores a message, then forwards it
+        latency = hops * links.rtt_ms / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
+        exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + links.matchmaking_s + latency)
+    return exchanges
+
+
+def _core(step_s: Sequence[float], steps: Sequence[int], exchange_s: Sequence[float]) -> set[int]:
+    """The replicas that run every round (`cadence`): they train the window's minimum and their exchange is within
+    `CORE_EXCHANGE_SLACK` of the fastest replica's."""
+    fastest = min(range(len(step_s)), key=lambda r: step_s[r])
+    bound = (1 + CORE_EXCHANGE_SLACK) * exchange_s[fastest]
+    return {r for r in range(len(step_s)) if steps[r] and exchange_s[r] <= bound}
+
+
+def _window(
+    pace: tuple[float, float], exchange_s: float, catch_up_s: float, round_s: float, shape: RunShape
+) -> tuple[int, int]:
+    """(batches, w) of an off-core replica: what it trains in w rounds less its exchange and its catching up on the
+    w − 1 rounds it skipped (link and compute taken in turn, not overlapped), for the w with the most tokens of
+    value per round (`STALE_TOKEN_VALUE`); (0, 1) when no window holds `min_inner_steps` steps."""
+    best = (0.0, 0, 1)
+    for w, value in sorted(STALE_TOKEN_VALUE.items()):
+        n = _batches_in(w * round_s - exchange_s - (w - 1) * catch_up_s, *pace, shape.inner_steps)
+        if min(n, shape.inner_steps) >= shape.min_inner_steps and n * value / w > best[0]:
+            best = (n * value / w, n, w)
+    return best[1], best[2]
+
+
+def _batches_in(seconds: float, per_batch: float, per_step: float, inner_steps: int) -> int:
+    """Batches a replica trains in `seconds`: one per step up to H steps, beyond that H steps accumulating more (as
+    stretched rounds do, `client/roles/schedule.py`), each step paying `per_step` once."""
+    if seconds <= 0 or not math.isfinite(per_batch):
+        return 0
+    n = seconds / (per_batch + per_step)
+    if n > inner_steps:
+        n = (seconds - inner_steps * per_step) / per_batch
+    return int(n + 1e-9)
 
 
 def _slow_holders(
-    peers: Mapping[str, PeerInfo], members: Sequence[tuple[str, str, int, int, tuple[int, ...]]], steps: list[int],
+    peers: Mapping[str, PeerInfo], members: Sequence[tuple[str, str, int, int, tuple[int, ...]]], trains: list[bool],
     stages: int,
 ) -> dict[int, frozenset[str]]:  # fmt: skip
     """Per shard, its training holders on slow uplinks (`slow_uplinks`): the leaves of that shard's relay trees."""
     slow = {}
     for s in range(stages):
-        holders = {p: peers[p].upload_mbps for p, _, replica, _, held in members if steps[replica] and s in held}
+        holders = {p: peers[p].upload_mbps for p, _, replica, _, held in members if trains[replica] and s in held}
         slow[s] = slow_uplinks(holders, list(holders))
     return slow
 
@@ -370,9 +553,11 @@ def _table_upkeep_bytes(
     return down, down * fetchers / holders
 
 
-def _round_s(window: float, nodes: Mapping[str, NodeRound], shape: RunShape) -> float:
-    full = max((n.exchange_s for n in nodes.values() if n.role == "full"), default=0.0)
-    stage = max((n.exchange_s for n in nodes.values() if n.role == "stage"), default=0.0)
+def _round_s(window: float, exchanges: Sequence[tuple[str, float]], shape: RunShape) -> float:
+    """The window plus the slowest (role, exchange seconds) of the replicas that run every round (see the module
+    docstring for overlap)."""
+    full = max((e for role, e in exchanges if role == "full"), default=0.0)
+    stage = max((e for role, e in exchanges if role == "stage"), default=0.0)
     if shape.overlap:
         return max(window + stage, window, full)
     return window + max(full, stage)
