@@ -474,10 +474,7 @@ class SimConfig:
 
     @property
     def window_list(self) -> list[int]:
-        values = [v.strip() for v in self.slow_windows.split(",") if v.strip()]
-        if not values or not all(v.isdigit() for v in values):
-            raise ConfigError(f"--slow-windows {self.slow_windows!r}: comma-separated integers ≥ 0")
-        return [int(v) for v in values]
+        return _non_negative_ints(self.slow_windows, "--slow-windows")
 
     @property
     def slow_rule_list(self) -> list[str]:
@@ -506,10 +503,14 @@ class SimConfig:
     @property
     def contributor_list(self) -> list[int]:
         """K values; 0 (every replica's message) is allowed here, unlike in the other lists."""
-        values = [v.strip() for v in self.max_contributors.split(",") if v.strip()]
-        if not values or not all(v.isdigit() for v in values):
-            raise ConfigError(f"--max-contributors {self.max_contributors!r}: comma-separated integers ≥ 0")
-        return [int(v) for v in values]
+        return _non_negative_ints(self.max_contributors, "--max-contributors")
+
+
+def _non_negative_ints(text: str, flag: str) -> list[int]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or not all(v.isdigit() for v in values):
+        raise ConfigError(f"{flag} {text!r}: comma-separated integers ≥ 0")
+    return [int(v) for v in values]
 
 
 @dataclass(frozen=True)
