@@ -110,11 +110,11 @@ def grid(cfg: SimConfig) -> list[Cell]:
 
 def _slow_variants(cfg: SimConfig, cell: Cell) -> list[Cell]:
     """`cell` as it is (every replica fast: the report's reference), then with its last `--slow-replicas` slow, once
-    per window and rule swept (a fresh window's discount is 1, so only windows of several rounds are discounted)."""
+    per window and rule swept (a fresh window is neither discounted nor rebased: only windows of several rounds)."""
     slow = dict(slow=cfg.slow_replicas, slow_factor=cfg.slow_factor)
     variants = [cell]
     for w in cfg.window_list:
-        rules = [r for r in cfg.slow_rule_list if w > 1 or not r.endswith("discounted")] if w else [""]
+        rules = [r for r in cfg.slow_rule_list if w > 1 or r in ("plain", "rescaled")] if w else [""]
         variants += [dataclasses.replace(cell, **slow, window=w, slow_rule=rule) for rule in rules]
     return variants
 
@@ -186,12 +186,16 @@ class OuterSwarm:
 
     @torch.no_grad()
     def step(
-        self, replicas: list[SimReplica], names: list[str], round_: int, tokens: list[int], factors: list[float]
-    ) -> list[int]:
+        self, replicas: list[SimReplica], names: list[str], round_: int, tokens: list[int], factors: list[float],
+        rebased: list[bool] | None = None,
+    ) -> list[int]:  # fmt: skip
         """θ(t+1) from the contributing replicas' encoded messages, each weighted by the tokens it trained and its
-        Δ scaled by its factor (1 unless stale and discounted); returns each replica's message bytes."""
-        deltas = [[[d * f for d in shard] if f != 1.0 else shard for shard in r.shard_deltas()]
-                  for r, f in zip(replicas, factors, strict=True)]  # fmt: skip
+        Δ scaled by its factor (1 unless stale and discounted), taken from θ(t) where `rebased`; returns each
+        replica's message bytes."""
+        rebased = rebased or [False] * len(replicas)
+        theta = self.theta() if any(rebased) else None
+        deltas = [[[d * f for d in shard] if f != 1.0 else shard for shard in r.shard_deltas(theta if b else None)]
+                  for r, f, b in zip(replicas, factors, rebased, strict=True)]  # fmt: skip
         before = self.model.embed.weight.detach().clone() if self.basis is not None else None
         sizes = [0] * len(replicas)
         limit = contributor_limit(self.run.outer)
@@ -266,7 +270,7 @@ def simulate(
                                    strict=True)  # fmt: skip
             sizes = swarm.step([replicas[i] for i in now], [names[i] for i in now], t,
                                [trained[i] * tokens_per_step * w for i, w in zip(now, weights, strict=True)],
-                               list(factors))  # fmt: skip
+                               list(factors), [slow_rule == "rebased" and opened[i] < t for i in now])  # fmt: skip
             outer = messages_moved(run.outer.outer, len(now), H, contributor_limit(run.outer)) * sum(sizes) / R
         tokens += sum(trained[i] for i in now) * tokens_per_step
         table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R

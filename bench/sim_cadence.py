@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SLOW_RULES = ("plain", "discounted", "rescaled", "rescaled-discounted")
+SLOW_RULES = ("plain", "discounted", "rescaled", "rescaled-discounted", "rebased")
 """How a contribution of n inner steps, built on a θ s outer steps old, enters the outer step: `plain`, as it is
 (token-weighted like any other); `discounted`, its Δ scaled by (1 + s)^−½ (FedAsync's polynomial staleness weight,
 a = ½); `rescaled`, its Δ scaled by H / n, so that a replica that trained fewer steps than H moves θ as far per
-step as the others instead of shrinking the token-weighted mean towards its short trajectory; or both. A replica
-of H fresh steps is scaled by 1 under every rule."""
+step as the others instead of shrinking the token-weighted mean towards its short trajectory; or both; `rebased`,
+its Δ taken from the θ it is applied to instead of the one it started from (θ(t) − θ_local: the outer steps it
+missed are not applied twice; with SparseLoCo's outer rate of 1 the coordinates it selects move towards its local
+weights, as asynchronous model averaging does). A replica of H fresh steps is the same under every rule."""
 
 
 @dataclass(frozen=True)

@@ -78,10 +78,11 @@ class SimReplica(ABC):
                 m.embed_fixed.copy_(fixed)
         self.start = {name: p.detach().clone() for name, p in self._params().items()}
 
-    def shard_deltas(self) -> list[list[Tensor]]:
-        """Δ = start − θ_local per shard, in the shards' parameter order."""
-        params = self._params()
-        return [[self.start[n] - params[n].detach() for n in names] for names in self.shard_names]
+    def shard_deltas(self, origin: dict[str, Tensor] | None = None) -> list[list[Tensor]]:
+        """Δ = start − θ_local per shard, in the shards' parameter order; from `origin` instead of the start when
+        given (a stale window rebased on the θ its contribution is applied to)."""
+        params, start = self._params(), self.start if origin is None else origin
+        return [[start[n] - params[n].detach() for n in names] for names in self.shard_names]
 
     def _make_methods(self) -> None:
         params = self._params()

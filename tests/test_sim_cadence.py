@@ -37,6 +37,7 @@ def test_a_contribution_is_scaled_by_its_rule() -> None:
     assert contribution_scaling("discounted", 20, 20, 3) == (0.5, 1.0)  # (1 + 3)^-1/2
     assert contribution_scaling("rescaled", 5, 20, 0) == (4.0, 4.0)  # H / n, claiming H steps' tokens
     assert contribution_scaling("rescaled-discounted", 5, 20, 3) == (2.0, 4.0)
+    assert contribution_scaling("rebased", 5, 20, 3) == (1.0, 1.0)  # rebased by the lab's swarm, not scaled
     assert all(contribution_scaling(rule, 20, 20, 0) == (1.0, 1.0) for rule in ("plain", "rescaled", "discounted"))
     with pytest.raises(ValueError, match="slow rule"):
         contribution_scaling("magic", 5, 20, 0)
@@ -84,6 +85,10 @@ def test_slow_replicas_that_sit_out_change_nothing_and_a_window_contributes_once
     assert [p.tokens for p in windowed] == [4 * step_tokens, (8 + 4) * step_tokens, (12 + 4) * step_tokens]
     assert windowed[0].fingerprints == alone[0].fingerprints  # the slow one's window is still open
     assert windowed[1].fingerprints != alone[1].fingerprints
+    rebased = simulate(run, [FULL, FULL], store, held_out, lambda _p: None,
+                       cadences=dataclasses.replace(cell, window=2).cadences(), slow_rule="rebased")  # fmt: skip
+    assert rebased[0].fingerprints == windowed[0].fingerprints  # only the stale contribution differs
+    assert rebased[1].fingerprints != windowed[1].fingerprints
 
 
 def _run(cell: Cell, seed: int, final: float, tokens: int) -> dict:
