@@ -170,10 +170,10 @@ bench-nat: venv data
 sim: venv data
 	$(BIN)/hetero-node-lab sim --out bench/results/sim
 
-# The lab's slow replicas: 2 of 4 at a quarter speed, every round, once per 4 rounds, or sitting out, by rule (~15 min).
+# The lab's slow replicas: 2 of 4 at a quarter speed, every round, once per 4 rounds, or sitting out, by rule (~20 min).
 sim-slow: venv data
 	$(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor 4 \
-		--slow-windows 0,1,4 --slow-rules plain,discounted,rescaled,rescaled-discounted --jobs 2 --out bench/results/sim-slow
+		--slow-windows 0,1,4 --slow-rules plain,discounted,rescaled,rescaled-discounted,rebased --jobs 2 --out bench/results/sim-slow
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:
