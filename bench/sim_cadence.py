@@ -19,7 +19,8 @@ a = ½); `rescaled`, its Δ scaled by H / n, so that a replica that trained fewe
 step as the others instead of shrinking the token-weighted mean towards its short trajectory; or both; `rebased`,
 its Δ taken from the θ it is applied to instead of the one it started from (θ(t) − θ_local: the outer steps it
 missed are not applied twice; with SparseLoCo's outer rate of 1 the coordinates it selects move towards its local
-weights, as asynchronous model averaging does). A replica of H fresh steps is the same under every rule."""
+weights, as asynchronous model averaging does; a virtual replica's projected start is not redone, so the lab
+measured it on full replicas). A replica of H fresh steps is the same under every rule."""
 
 
 @dataclass(frozen=True)
