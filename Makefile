@@ -120,7 +120,7 @@ bench-long-wan: venv data
 bench-slow-link: venv data
 	$(BIN)/hetero-node-lab slow-link --out bench/results/slow-link
 
-# The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 30 s).
+# The cost model's weak scaling from 10 to 1,000 volunteers (bench/swarms/volunteers-1000.toml; about 2.5 min).
 bench-plan: venv
 	$(BIN)/hetero-node-lab plan-scaling --out bench/results/plan-scaling
 
