@@ -226,7 +226,8 @@ def print_plan(
         summary.add_row(label, render(best), render(live))
     console.print(summary)
     table = Table(title="replicas (optimised plan)")
-    for column in ("replica", "nodes (stage order)", "steps / rounds", "compute s", "exchange s", "MB up", "MB down"):
+    for column in ("replica", "nodes (stage order)", "steps (batches) / rounds", "compute s", "exchange s", "MB up",
+                   "MB down"):  # fmt: skip
         table.add_column(column, justify="left" if column.startswith(("replica", "nodes")) else "right")
     prediction = result.best.prediction
     replicas: dict[int, list[str]] = {}
@@ -236,7 +237,7 @@ def print_plan(
         nodes = [prediction.nodes[m] for m in members]
         kind = "full" if nodes[0].role == "full" else "virtual"
         table.add_row(
-            f"{replica} ({kind})", ", ".join(members), f"{nodes[0].steps} / {nodes[0].every}",
+            f"{replica} ({kind})", ", ".join(members), f"{nodes[0].steps} ({nodes[0].batches}) / {nodes[0].every}",
             f"{max(n.compute_s for n in nodes):.1f}", f"{max(n.exchange_s for n in nodes):.1f}",
             _mb(max(n.bytes_up for n in nodes)), _mb(max(n.bytes_down for n in nodes)),
         )  # fmt: skip
