@@ -170,7 +170,7 @@ bench-nat: venv data
 sim: venv data
 	$(BIN)/hetero-node-lab sim --out bench/results/sim
 
-# The lab's slow replicas: 2 of 4 at a quarter speed, every round, once per 4 rounds, or sitting out, by rule (~20 min).
+# The lab's slow replicas: 2 of 4 at a quarter speed, every round, once per 4 rounds, or sitting out, by rule (27 runs; estimated ~18 min from the 21-run sweep's 14).
 sim-slow: venv data
 	$(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor 4 \
 		--slow-windows 0,1,4 --slow-rules plain,discounted,rescaled,rescaled-discounted,rebased --jobs 2 --out bench/results/sim-slow

@@ -45,6 +45,7 @@ class CellSummary:
     slow_factor: int = 1
     window: int = 1
     """Slow replicas' contributions: once per `window` rounds (0: they sat out); see `sim_cadence`."""
+    slow_rule: str = ""
 
     @property
     def setting(self) -> tuple:
@@ -101,6 +102,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
             traffic={k: statistics.fmean(p["traffic"][k] for r in rounds for p in r) for k in kinds},
             contributors=first.get("contributors", 0), slow=first.get("slow", 0),
             slow_factor=first.get("slow_factor", 1), window=first.get("window", 1),
+            slow_rule=first.get("slow_rule", ""),
         )  # fmt: skip
     return out
 
@@ -207,7 +209,7 @@ def finding_slow(cells: dict[str, CellSummary]) -> list[str]:
             continue
         same = [r for r in cells.values() if r.setting == c.setting]
         sit_out = next((r for r in same if r.window == 0), None)
-        fresh = next((r for r in same if r.window == 1 and r.cell.endswith("plain")), None)
+        fresh = next((r for r in same if r.window == 1 and r.slow_rule == "plain"), None)
         fast = next((r for r in cells.values() if not r.slow and r.setting[:6] == c.setting[:6]), None)
         value = slow_token_value(c, sit_out, fast) if sit_out and fast and fast.mean < sit_out.mean else None
         rows.append([c.cell, _loss(c), paired_gap(c, sit_out) if sit_out else "n/a",

@@ -23,7 +23,6 @@ import torch
 from torch.nn import functional as F
 
 from hetero_node.client.roles.pipeline_stage import PipelineStage, boundary_format
-from hetero_node.client.roles.schedule import MAX_ACCUMULATION
 from hetero_node.client.roles.stage_link import (
     BACKWARD,
     EVAL,
@@ -41,6 +40,7 @@ from hetero_node.models.subspace import EMBED, constrained_parameter_names, enab
 from hetero_node.models.transformer import RESIDUAL_OUTPUTS, Transformer
 from hetero_node.protocol import boundary_codec as codec
 from hetero_node.protocol.errors import ConfigError, PayloadError
+from hetero_node.protocol.round_stretch import MAX_ACCUMULATION
 from hetero_node.protocol.run_config import OptimConfig, OuterConfig, PipelineConfig, RunConfig
 
 CFG = get_preset("tiny")  # d_model 128, 4 layers, vocab 256

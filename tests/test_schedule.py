@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from factories import peer_id, peer_record
 
-from hetero_node.client.roles.schedule import MAX_ACCUMULATION, MAX_STRETCH, RoundClock
+from hetero_node.client.roles.schedule import RoundClock
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
+from hetero_node.protocol.round_stretch import MAX_ACCUMULATION, MAX_STRETCH
 from hetero_node.protocol.run_config import OuterConfig
 
 ME = peer_id("me")

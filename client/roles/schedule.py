@@ -13,7 +13,8 @@ training to the start of the next's), advertises it (`overhead_s`), and L is at 
 under --overlap) for the upper median O of the full replicas (a full replica's own O at least) and
 `--target-utilisation` u (`--overlap-utilisation` under --overlap): training then fills at least u of the time of
 most full replicas, both of a pair (`RoundClock.stretched`). A median, so that one slow link or one lying record
-among three or more cannot stretch everyone's round; and at most `MAX_STRETCH` times H steps.
+among three or more cannot stretch everyone's round; and at most `MAX_STRETCH` times H steps (the rule itself, which
+the cost model prices too, is `protocol/round_stretch.py`).
 
 A stretched round keeps H inner steps and makes each of them bigger: every replica accumulates the gradients of
 `accumulation` = ⌊L / (H steps of the fastest replica)⌋ batches per inner step. More steps per round would fill the
@@ -44,23 +45,17 @@ is known (a swarm's very first round without a throughput figure), and always wh
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hetero_node.client.swarm.view import coming
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL
+from hetero_node.protocol.round_stretch import batches_per_step, stretched_window
 from hetero_node.protocol.run_config import OuterConfig
 
 STEP_EMA = 0.5
 """Weight of the newest round in a replica's step-time and overhead estimates."""
-MAX_STRETCH = 30.0
-"""The overhead stretches a round to at most this many times H steps: a round's waits grow with its length (the
-grace is a fraction of L), so a swarm that waits each round for a member who never comes must not feed that wait
-back into L without bound."""
-MAX_ACCUMULATION = int(MAX_STRETCH)
-"""Batches one inner step accumulates at most (a pipeline stage refuses a microbatch beyond them)."""
 MAX_LEAD = 0.1
 """A replica stops at most this share of L early for its statement's sake (`RoundPlan.lead_s`)."""
 MIN_ROUND_FRACTION = 0.25
@@ -151,7 +146,7 @@ class RoundClock:
         fastest = self.fastest_step_s(records)
         if self.outer.round_s > 0 or length_s is None or fastest is None:
             return 1
-        return min(MAX_ACCUMULATION, max(1, int(length_s / (self.outer.inner_steps * fastest) + 1e-9)))
+        return batches_per_step(length_s, self.outer.inner_steps * fastest)
 
     def round_length(self, records: dict[str, PeerRecord]) -> float | None:
         """L: --round-s, or H steps at the fastest replica's step time, stretched so that training fills the target
@@ -178,25 +173,10 @@ class RoundClock:
             overhead = overheads[len(overheads) // 2]
             if self.full:
                 overhead = max(overhead, self.overhead_s)
-            length = max(length, min(self.stretched(overhead), MAX_STRETCH * length))
+            outer = self.outer
+            target = outer.overlap_utilisation if outer.overlap else outer.target_utilisation
+            length = stretched_window(length, overhead, target, outer.inner_steps, outer.overlap)
         return length
-
-    def stretched(self, overhead: float) -> float:
-        """The shortest round in which training fills the target share u next to `overhead` O. Under --overlap
-        rounds follow at a fixed cadence (deadline(t) = deadline(t−1) + L) and O is paid inside that period, so
-        training fills (L − O)/L: L = O/(1 − u) (sized by O·u/(1 − u), a round could reach only (2u − 1)/u, 94.7% of
-        a 95% target). Without it the window L is followed by the exchange, O is paid on top of it, and a replica
-        stops when the next step would overrun the deadline: on average half a step idles, a share 1/(2H) of a
-        stretched round (H steps of `accumulation` batches), so L = O·u/(1 − u − 1/(2H)) (rounds sized by
-        O·u/(1 − u) trained 88.5-89% instead of 90%). 0 when the target is off."""
-        if self.outer.overlap:
-            target = self.outer.overlap_utilisation
-            return overhead / (1 - target) if target > 0 else 0.0  # u < 1 (RunConfig)
-        target = self.outer.target_utilisation
-        if target <= 0:
-            return 0.0
-        slack = 1 - target - 1 / (2 * self.outer.inner_steps)
-        return overhead * target / slack if slack > 0 else math.inf
 
     def _full_overheads(self, records: dict[str, PeerRecord]) -> list[float]:
         """The measured overheads of the full replicas, ours included if we are one."""

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hetero_node.client.roles.schedule import MAX_ACCUMULATION
 from hetero_node.client.swarm.runtime import BLOB_PIECE_BYTES, PeerRuntime
 from hetero_node.protocol import boundary_codec as codec
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.keys import stage_handler_name
 from hetero_node.protocol.proto_build import load_proto_module
+from hetero_node.protocol.round_stretch import MAX_ACCUMULATION
 
 logger = logging.getLogger(__name__)
 wire = load_proto_module("wire")

@@ -238,7 +238,7 @@ def auto_plan(
     layout = _choose(pool).assignment
     settings = [evaluate(layout, shape_for(h, r)) for h in h_choices for r in ranks]
     chosen = _choose([c for c in settings if c is not None] + pool)
-    final = [*best_layout(chosen.inner_steps, chosen.rank), chosen, _choose(pool)]
+    final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
     best = _choose(final)
     used = set(best.assignment.full) | {p for vr in best.assignment.virtual for p in vr}
     return AutoPlan(best, live, tuple(sorted(set(by_id) - used)))

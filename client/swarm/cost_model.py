@@ -10,7 +10,7 @@ One round, as the protocol runs it:
   its node's speed, plus its boundary traffic at its link), plus a one-way latency per boundary each way;
 * the training window is H steps of the fastest replica (`--round-s 0`), stretched as the protocol stretches it
   (`client/roles/schedule.py`) until training fills `--target-utilisation` of a round next to the full replicas'
-  upper-median exchange (at most `MAX_STRETCH` times); a stretched round's steps accumulate A = ⌊window / H steps⌋
+  upper-median exchange (at most 30 times); a stretched round's steps accumulate A = ⌊window / H steps⌋
   batches, and a virtual replica streams them, two batches in flight, paying its GPipe fill and round trips once a
   step (`accumulated_pace`). Each replica trains the whole steps that fit and sits the round out below
   `min_inner_steps`;
@@ -54,6 +54,7 @@ from functools import cache
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.protocol.flat_exchange import aggregated, contributor_limit, slow_uplinks
 from hetero_node.protocol.outer_specs import outer_spec
+from hetero_node.protocol.round_stretch import batches_per_step, stretched_window
 from hetero_node.protocol.run_config import RunConfig
 
 EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
@@ -441,17 +442,13 @@ def _steps_in(window: float, accumulation: int, paces: Sequence[tuple[float, flo
 def _stretched(base: float, full_exchanges: Sequence[float], shape: RunShape) -> tuple[float, int]:
     """(window, batches per step): the protocol stretches a round of H steps of the fastest replica (`base`) so that
     training fills `target_utilisation` of it next to the full replicas' upper-median overhead, here their
-    exchange; at most `MAX_STRETCH` × `base` (`client/roles/schedule.py: RoundClock`). Not under overlap, whose
-    overhead (the settling of an outer step) the model does not know."""
+    exchange (the protocol's own rule, `client/roles/schedule.py`). Not under overlap, whose overhead (the settling
+    of an outer step) the model does not know."""
     if shape.overlap or shape.target_utilisation <= 0 or not full_exchanges or base <= 0:
         return base, 1
-    from hetero_node.client.roles.schedule import MAX_ACCUMULATION, MAX_STRETCH  # here: it loads torch (`_shape`)
-
     overhead = sorted(full_exchanges)[len(full_exchanges) // 2]
-    slack = 1 - shape.target_utilisation - 1 / (2 * shape.inner_steps)
-    stretched = overhead * shape.target_utilisation / slack if slack > 0 else math.inf
-    window = max(base, min(stretched, MAX_STRETCH * base))
-    return window, min(MAX_ACCUMULATION, max(1, int(window / base + 1e-9)))
+    window = stretched_window(base, overhead, shape.target_utilisation, shape.inner_steps, False)
+    return window, batches_per_step(window, base)
 
 
 def _exchanges(
