@@ -36,6 +36,7 @@ from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.membership import plan_from_records
 from hetero_node.client.swarm.work_ledger import WorkLedger
 from hetero_node.protocol import boundary_codec, dense_codec, sparse_codec
+from hetero_node.protocol.claims import RoundWindow, implausible_claims
 from hetero_node.protocol.errors import ConfigError, PayloadError
 from hetero_node.protocol.proto_build import load_proto_module
 from hetero_node.protocol.records import PeerRecord, parse_peer_record, parse_run_announcement
@@ -126,7 +127,8 @@ def _stage_piece(data: bytes) -> Any:
 
 def judge_records(records: dict[str, PeerRecord], shape: RunShape) -> Any:
     """What every node computes from the records it read: the live planner's plan (with the cost model's judge),
-    every view function a round reads, and the reader's ledger (cap, votes, slot dating). Returns the plan."""
+    every view function a round reads, the reader's ledger (cap, votes, slot dating, challenge order) and the
+    claims judge (`protocol/claims.py`). Returns the plan."""
     plan = plan_from_records(records, requirements(shape), MarginalGain(shape))
     me, stages = next(iter(records)), shape.stages
     ledger = WorkLedger(salt=b"fuzz")
@@ -134,6 +136,9 @@ def judge_records(records: dict[str, PeerRecord], shape: RunShape) -> Any:
     ledger.keep(records, max(1, len(records) - 1), 1e9)
     ledger.voters(records, 1e9)
     ledger.running(records, 1e9)
+    ledger.to_challenge(records, 1e9)
+    window = RoundWindow(10.0, 2.0, 1, shape.inner_steps, shape.min_inner_steps, shape.tokens_per_step)
+    implausible_claims({pid: 1 << 40 for pid in records}, records, window)
     dated = {pid: r.copy(update={"claimed_at": ledger.claimed_at(r)}) for pid, r in records.items()}
     for read in (records, dated):
         view.slot_holders(read, stages)

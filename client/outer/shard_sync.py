@@ -336,6 +336,7 @@ class ShardSync:
         swarm_moved_on: Callable[[], bool],
         vouched: Callable[[], str | None],
         may_seal: Callable[[frozenset[str]], bool] | None = None,
+        implausible: Callable[[dict[str, int]], set[str]] | None = None,
     ) -> ShardOutcome:
         """Agree on the round's contributor set, then compute θ(t+1) exactly as every other member does (safe in a
         worker thread).
@@ -343,6 +344,8 @@ class ShardSync:
         While the statements come in, `swarm_moved_on` is polled: once the others finished this round without us,
         waiting longer cannot help. `vouched` breaks a tie of start fingerprints (see `majority_fingerprint`).
         `may_seal` says whether members of the base that have not sealed may still (up to --round-timeout-s).
+        `implausible` names the authors whose claimed tokens their advertised speed does not allow
+        (`protocol/claims.py`): our seal leaves them out.
         """
         from hivemind.utils import get_dht_time
 
@@ -367,7 +370,12 @@ class ShardSync:
                 self.shard, pending.round, pending.meta.start_fp, majority or "(a tie no record majority breaks)",
             )  # fmt: skip
             return ShardOutcome(new_tensors=None, group_size=len(statements))
-        entries = [Entry(a, m.size, m.digest, m.tokens) for a, m in statements.items() if m.start_fp in counted]
+        refused = self._implausible(pending.round, statements, implausible)
+        entries = [
+            Entry(a, m.size, m.digest, m.tokens)
+            for a, m in statements.items()
+            if m.start_fp in counted and a not in refused
+        ]
         self._prefetch(pending, majority, entries)
         ours = Seal(self.me, pending.round, majority, tuple(sorted(entries)), self.proof)
         owed = pending.payload is not None  # unless the round aggregates it, our Δ stays in the error feedback
@@ -408,6 +416,19 @@ class ShardSync:
         outcome = self._exchange(pending, members, len(members))
         outcome.phases_s["agree"] = agreed_at - started
         return outcome
+
+    def _implausible(
+        self, round_: int, statements: dict[str, GroupMeta], judge: Callable[[dict[str, int]], set[str]] | None
+    ) -> set[str]:
+        """The authors our seal leaves out for claiming more tokens than their speed allows (never ourselves)."""
+        if judge is None:
+            return set()
+        claims = {author: meta.tokens for author, meta in statements.items() if author != self.me and meta.size > 0}
+        refused = judge(claims)
+        for author in sorted(refused):
+            logger.warning("shard %d round %d: %s claims %d tokens, more than its advertised speed allows in the "
+                           "round; not sealing its statement", self.shard, round_, author, claims[author])  # fmt: skip
+        return refused
 
     def _prefetch(self, pending: PendingRound, start_fp: str, entries: list[Entry]) -> None:
         """Start downloading, in the background, each message we would fetch from its author once the round's set

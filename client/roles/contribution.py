@@ -19,6 +19,7 @@ from hetero_node.client.roles.round_record import InFlight, Trained
 from hetero_node.client.roles.schedule import RoundPlan
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.record_reader import rewritten_lately
+from hetero_node.protocol.claims import RoundWindow, implausible_claims
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.records import PeerRecord
 
@@ -74,7 +75,7 @@ class Contributing:
             for shard, pending in pendings.items():
                 futures[shard] = self._executor.submit(
                     self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard),
-                    self.may_seal(t),
+                    self.may_seal(t), self.implausible(plan),
                 )  # fmt: skip
         cutoff = weights_at_deadline(self.params) if self.overlap else None
         comm_s = time.perf_counter() - started
@@ -113,6 +114,16 @@ class Contributing:
             )
 
         return check
+
+    def implausible(self, plan: RoundPlan) -> Callable[[dict[str, int]], set[str]]:
+        """Which of a round's claims (author → tokens) its authors' advertised speeds do not allow in the round as
+        we planned it (`protocol/claims.py`), read from the records when we seal: a claimant writes its speed of this
+        round just before its statement."""
+        batch_tokens = self.run_cfg.batch_size * self.run_cfg.seq_len
+        window = RoundWindow(
+            plan.length_s, plan.grace_s, plan.accumulation, plan.reference_steps, plan.min_steps, batch_tokens
+        )
+        return lambda claims: implausible_claims(claims, self.records(timeout=1.0), window)
 
     def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
         """Whether the shard's other members finished round t without us: more of them certified it than are
