@@ -10,13 +10,19 @@ replicas at round 7 and one virtual replica (2 stages) whose stage 1 holds its s
 have ids ground below every honest one, claim round 8 with another fingerprint, and some claim that stage slot with
 `claimed_at = 0`.
 
-Three readers, each asked the same questions (does it keep the honest records, see the incumbent in its slot, take
+Four readers, each asked the same questions (does it keep the honest records, see the incumbent in its slot, take
 round 7 as the swarm's, vouch for the honest fingerprint, and are Sybils among a shard's members):
 
 * **records (before)**: the rules up to c0365d5: the lowest ids kept, votes over records, claims by their own date;
 * **established**: a running honest node: it saw the honest peers first and certified rounds with them;
 * **joiner**: a fresh node that sees everything at once; the Sybils do not answer its liveness challenge (no node
-  stands behind them; the real challenge, an authenticated dial, is `bench-poison`'s record-only scenario).
+  stands behind them; the real challenge, an authenticated dial, is `bench-poison`'s record-only scenario), and it
+  has challenged every record;
+* **joiner, 30 reads**: the same joiner as a node is: it has read the records 30 times a second apart, each time
+  challenging 64 of the peers it kept (`MAX_CHALLENGES`, contested slots' claimants first: `WorkLedger.to_challenge`).
+
+Slots and a shard's members are read from the records the reader counts as running (what its planner and its rounds
+read: `PeerRuntime.running` drops the peers that did not answer their last challenge).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from hetero_node.bench.results import write_report
 from hetero_node.bench.samples import record_fields
 from hetero_node.client.swarm import view
 from hetero_node.client.swarm.record_reader import MAX_RECORDS
+from hetero_node.client.swarm.runtime import MAX_CHALLENGES
 from hetero_node.client.swarm.work_ledger import ANSWERED, SILENT, WorkLedger
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL, ROLE_STAGE
@@ -44,7 +51,9 @@ SEEN_AT = NOW - 3600.0
 """When the established reader first read the honest records (an hour before the flood)."""
 SLOT_CLAIMERS = 16
 """Sybils that also claim the incumbent's slot, with `claimed_at = 0`."""
-READERS = ("records (before)", "established", "joiner")
+JOINER_READS = 30
+"""Reads of the records (a second apart, as `RECORDS_REREAD_S` allows) the realistic joiner has made."""
+READERS = ("records (before)", "established", "joiner", f"joiner, {JOINER_READS} reads")
 Records = dict[str, PeerRecord]
 
 
@@ -79,15 +88,21 @@ def sybil_records(count: int) -> Records:
 
 @dataclass
 class Reader:
-    """One reader's rules: which records it keeps, how it dates claims, which records vote."""
+    """One reader's rules: which records it keeps, how it dates claims, which records vote, and which of them its
+    planner and rounds count as running (slots and a shard's members are read from those)."""
 
     keep: Callable[[Records], Records]
     voters: Callable[[Records], Records]
+    running: Callable[[Records], Records]
 
 
 def records_rule() -> Reader:
     """The rules before c0365d5."""
-    return Reader(keep=lambda found: {pid: found[pid] for pid in sorted(found)[:MAX_RECORDS]}, voters=lambda r: r)
+    return Reader(
+        keep=lambda found: {pid: found[pid] for pid in sorted(found)[:MAX_RECORDS]},
+        voters=lambda r: r,
+        running=lambda r: r,
+    )
 
 
 def ledger_reader(ledger: WorkLedger) -> Reader:
@@ -99,7 +114,11 @@ def ledger_reader(ledger: WorkLedger) -> Reader:
         dated = {pid: found[pid] for pid in kept}
         return {pid: r.copy(update={"claimed_at": ledger.claimed_at(r)}) for pid, r in dated.items()}
 
-    return Reader(keep=keep, voters=lambda records: ledger.voters(records, NOW) or {})
+    return Reader(
+        keep=keep,
+        voters=lambda records: ledger.voters(records, NOW) or {},
+        running=lambda records: ledger.running(records, NOW),
+    )
 
 
 def established(honest: Records) -> Reader:
@@ -116,17 +135,30 @@ def joiner(honest: Records, sybils: Records) -> Reader:
     return ledger_reader(ledger)
 
 
+def reading_joiner(honest: Records, found: Records, reads: int) -> Reader:
+    """A fresh node after `reads` reads of `found` a second apart, each challenging up to `MAX_CHALLENGES` of the
+    peers it kept (contested slots' claimants first), as `PeerRuntime.running` does; the honest answer."""
+    ledger = WorkLedger()
+    for i in range(reads):
+        at = NOW - reads + i
+        ledger.note_records(found.values(), at)
+        kept = ledger.keep(found, MAX_RECORDS, at) if len(found) > MAX_RECORDS else list(found)
+        for pid in ledger.to_challenge({pid: found[pid] for pid in kept}, at)[:MAX_CHALLENGES]:
+            ledger.note_challenge(pid, ANSWERED if pid in honest else SILENT, at)
+    return ledger_reader(ledger)
+
+
 def judge(reader: Reader, honest: Records, found: Records) -> dict[str, Any]:
     """The questions every round decision depends on, asked of one reader's view of `found`."""
     started = time.perf_counter()
     kept = reader.keep(found)
     keep_s = time.perf_counter() - started
-    voters = reader.voters(kept)
+    voters, running = reader.voters(kept), reader.running(kept)
     incumbent = next(pid for pid, r in honest.items() if r.role == ROLE_STAGE and r.stage == 1)
-    members = view.shard_members(kept, 1, STAGES)
+    members = view.shard_members(running, 1, STAGES)
     return {
         "honest_kept": sum(pid in kept for pid in honest),
-        "slot_kept": view.slot_holders(kept, STAGES).get((0, 1)) == incumbent,
+        "slot_kept": view.slot_holders(running, STAGES).get((0, 1)) == incumbent,
         "swarm_round": view.swarm_round(voters, me=""),
         "certified_round": view.swarm_round(voters, me="", certified=True),
         "vouched_honest": view.vouched_fingerprint(voters, HONEST_ROUND, "0", me="") == HONEST_FP,
@@ -145,8 +177,8 @@ def run_sybil(cfg: SybilConfig, progress: Any = None) -> dict[str, Any]:
     for size in cfg.flood_sizes:
         sybils = sybil_records(size)
         found = {**sybils, **honest}
-        readers = {"records (before)": records_rule(), "established": established(honest),
-                   "joiner": joiner(honest, sybils)}  # fmt: skip
+        readers = dict(zip(READERS, (records_rule(), established(honest), joiner(honest, sybils),
+                                     reading_joiner(honest, found, JOINER_READS)), strict=True))  # fmt: skip
         floods[str(size)] = {name: judge(reader, honest, found) for name, reader in readers.items()}
         if progress is not None and task is not None:
             progress.advance(task)

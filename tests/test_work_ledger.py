@@ -127,3 +127,26 @@ def test_a_vote_knows_which_answers_are_still_due() -> None:
     ledger.note_challenge(peer_id("a"), ANSWERED, NOW + 1)
     assert ledger.asking([peer_id(n) for n in "abcd"], NOW + 1) == {peer_id("d")}
     assert not ledger.asking([peer_id("d")], NOW + SILENT_S + 1)  # an answer that never came is no longer due
+
+
+def test_claimants_of_a_contested_slot_are_challenged_first_and_silent_peers_are_kept_last() -> None:
+    """A joiner reads an incumbent's claim and 16 ground-low claims dated 0 at once: the tie went to the lowest id
+    (bench-sybil: "incumbent keeps its slot: no" for a joiner). Asking the contested slot's claimants first tells the
+    planner, which drops silent peers (`running`), who holds it."""
+    incumbent = peer_record("inc", role=ROLE_STAGE, vr=0, stage=1, claimed_at=NOW - 500)
+    sybils = [peer_record(f"s{i}", role=ROLE_STAGE, vr=0, stage=1, claimed_at=0.0) for i in range(16)]
+    others = [peer_record(f"f{i}", role=ROLE_FULL) for i in range(40)]
+    others.append(peer_record("own", role=ROLE_STAGE, vr=1, stage=0))  # an uncontested slot
+    records = {r.peer_id: r for r in [incumbent, *sybils, *others]}
+    ledger = WorkLedger()
+    ledger.note_records(records.values(), NOW)
+    asked = ledger.to_challenge(records, NOW)
+    contested = {incumbent.peer_id, *(r.peer_id for r in sybils)}
+    assert set(asked[:17]) == contested and len(asked) == len(records)
+    for sybil in sybils:
+        ledger.note_challenge(sybil.peer_id, SILENT, NOW)
+    ledger.note_challenge(incumbent.peer_id, ANSWERED, NOW)
+    assert view.slot_holders(ledger.running(records, NOW), 2)[(0, 1)] == incumbent.peer_id
+    assert view.slot_holders(records, 2)[(0, 1)] != incumbent.peer_id  # counting every record, a Sybil won the tie
+    kept = ledger.keep(records, len(records) - len(sybils), NOW)
+    assert set(kept) == records.keys() - contested | {incumbent.peer_id}  # over the cap, the silent ones went first

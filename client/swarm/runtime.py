@@ -502,7 +502,7 @@ class PeerRuntime:
             # every peer not known either way is asked first: the few that answered before the others (a
             # background dial) are no vote (the poison bench's joiner counted a liar and one of two honest donors,
             # and the upper median of their rounds was the liar's, 1 run in 6 on a loaded machine)
-            self.challenge(list(records), wait=True)
+            self.challenge(records, wait=True)
         return self.work.voters(records, get_dht_time(), me) or {}
 
     def running(self, records: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
@@ -511,17 +511,18 @@ class PeerRuntime:
         waited for."""
         from hivemind.utils import get_dht_time
 
-        self.challenge(list(records), wait=False)
+        self.challenge(records, wait=False)
         return self.work.running(records, get_dht_time())
 
-    def challenge(self, peers: list[str], wait: bool) -> None:
-        """Dial up to `MAX_CHALLENGES` of `peers` not known alive or asked lately, at their recorded addresses:
+    def challenge(self, records: dict[str, PeerRecord], wait: bool) -> None:
+        """Dial up to `MAX_CHALLENGES` of the peers of `records` not known alive or asked lately (contested slots'
+        claimants first: `WorkLedger.to_challenge`), at their recorded addresses:
         libp2p's secure channel authenticates the answer, so one that connects is a running node holding that peer
         id's key. `wait`: until they answered or `CHALLENGE_S` passed, those an earlier challenge asked included."""
         from hivemind.utils import get_dht_time
 
         me = str(self.peer_id)
-        asked = [p for p in self.work.to_challenge(peers, get_dht_time()) if p != me][:MAX_CHALLENGES]
+        asked = [p for p in self.work.to_challenge(records, get_dht_time()) if p != me][:MAX_CHALLENGES]
         for peer in asked:  # not asked again while the answer is due
             self.work.note_challenge(peer, ASKING, get_dht_time())
 
@@ -545,7 +546,7 @@ class PeerRuntime:
                     "challenged %d peers: %d answered", len(asked), len(self.work.alive(get_dht_time()) & set(asked))
                 )
         if wait:
-            self._await_answers(peers)
+            self._await_answers(list(records))
 
     def _await_answers(self, peers: list[str]) -> None:
         """The answers of `peers` asked earlier by a challenge that did not wait (up to `CHALLENGE_S`): a vote taken

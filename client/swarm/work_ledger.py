@@ -13,13 +13,16 @@ record-only Sybils (the security review's C2, C5, N1, N7). A reader therefore re
 
 Votes count working peers; a reader that knows none yet (a joiner, a fresh swarm's first round) counts those that
 answered a challenge. Over the record cap, working peers are kept first, then incumbents, then an order this
-reader's secret salt fixes and nobody else can aim at.
+reader's secret salt fixes and nobody else can aim at, and peers that did not answer their challenge last. Claimants
+of a contested slot are challenged first: a reader that knows none of them counts the earliest claim it read, and a
+flood of claims dated 0 all read at once ties with the incumbent's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from hetero_node.protocol.records import PeerRecord
@@ -85,10 +88,18 @@ class WorkLedger:
     def silent(self, now: float) -> set[str]:
         return self._challenged(SILENT, SILENT_S, now)
 
-    def to_challenge(self, peers: Iterable[str], now: float) -> list[str]:
-        """Of `peers`, those neither known alive nor asked lately, in this reader's own order."""
+    def to_challenge(self, records: Mapping[str, PeerRecord], now: float) -> list[str]:
+        """Of `records`' peers, those neither known alive nor asked lately: first those claiming a slot another record
+        claims too (which of them runs a node decides who holds it, and where a joiner goes), then in this reader's
+        own order."""
         known = self.alive(now) | self.silent(now) | self._challenged(ASKING, SILENT_S, now)
-        return sorted((p for p in peers if p not in known), key=self._rank)
+        claims = Counter(slot for r in records.values() if (slot := _slot(r)) is not None)
+
+        def order(peer: str) -> tuple[bool, bytes]:
+            slot = _slot(records[peer])
+            return slot is None or claims[slot] < 2, self._rank(peer)
+
+        return sorted((p for p in records if p not in known), key=order)
 
     def asking(self, peers: Iterable[str], now: float) -> set[str]:
         """Of `peers`, those asked lately whose answer has not come."""
@@ -118,12 +129,14 @@ class WorkLedger:
 
     def keep(self, peers: Iterable[str], limit: int, now: float) -> list[str]:
         """At most `limit` of `peers`: working ones first, then those first seen earliest (incumbents), then in an
-        order this reader's salt fixes. Never by peer id: ids can be ground low by anyone."""
+        order this reader's salt fixes; those that did not answer their last challenge last. Never by peer id: ids
+        can be ground low by anyone."""
         working = self.working(now)
+        gone = self.silent(now) - working
 
-        def order(peer: str) -> tuple[bool, float, bytes]:
+        def order(peer: str) -> tuple[bool, bool, float, bytes]:
             first = self.seen.get(peer, [now])[0]
-            return peer not in working, first, self._rank(peer)
+            return peer not in working, peer in gone, first, self._rank(peer)
 
         return sorted(peers, key=order)[:limit]
 
@@ -138,3 +151,8 @@ class WorkLedger:
 
     def _rank(self, peer: str) -> bytes:
         return hashlib.blake2b(peer.encode(), key=self.salt, digest_size=8).digest()
+
+
+def _slot(record: PeerRecord) -> tuple[int, int] | None:
+    """The (vr, stage) slot a stage peer's record claims (None: no claim)."""
+    return (record.vr, record.stage) if record.role == ROLE_STAGE and record.vr >= 0 else None
