@@ -9,8 +9,9 @@ How a round's messages travel (the design choice the README explains):
 2. The round's contributor set comes from the DHT, not from a group leader (`roster_round.py`,
    `protocol/roster.py`): each member stores a signed statement (round, start fingerprint, message size and
    digest, tokens trained); once every member the records show in round t has one (a ready barrier), or at the
-   round's deadline plus a grace period, each member seals the statements it sees (once: a seal is a vote), and
-   the set more than half of the round's quorum base sealed is the round's. No round can have two sets.
+   round's deadline plus a grace period, each member seals the statements it sees (once: a seal is a vote; a
+   statement claiming more tokens than its author's advertised speed allows is left out: `protocol/claims.py`),
+   and the set more than half of the round's quorum base sealed is the round's. No round can have two sets.
 3. Every member computes the same subset of at most K contributors (`--max-contributors`, a new subset each
    round: `protocol/flat_exchange.py`), fetches each selected message over a P2P stream from its parent in that
    message's relay tree (the author or a member that already verified it; then any member holding a copy; a
