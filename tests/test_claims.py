@@ -5,15 +5,15 @@ so the round's set (and every member's θ) is the honest members' alone."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from factories import peer_record, record_fields, run_config
+from shard_rounds import SHAPES, contribute
 
 from hetero_node.bench.poison import swarm
 from hetero_node.client.config import SyncTimeouts
-from hetero_node.client.outer.shard_sync import ShardOutcome, ShardSync
+from hetero_node.client.outer.shard_sync import ShardSync
 from hetero_node.models.shards import fingerprint
 from hetero_node.protocol.claims import CLAIM_SLACK, RoundWindow, implausible_claims, tokens_ceiling
 from hetero_node.protocol.records import PeerRecord
@@ -58,36 +58,6 @@ def test_a_claim_beyond_the_advertised_speed_is_refused_and_unknown_speeds_are_n
     assert implausible_claims(claims, records, TIMED) == {"liar"}
 
 
-SHAPES = [(32, 16), (50,)]
-
-
-def play_round(
-    syncs: list[ShardSync], round_: int, start: list[torch.Tensor], tokens: list[int], judge_with: dict | None
-) -> list[ShardOutcome]:
-    """One round: member i claims tokens[i]; the members other than the last judge claims against `judge_with`
-    (records) when given, the last (the liar) never does."""
-    from hivemind.utils import get_dht_time
-
-    names = [s.me for s in syncs]
-    window = RoundWindow(10.0, 2.0, 1, 30, 1, BATCH_TOKENS)
-    pendings, jobs = [], []
-    for i, sync in enumerate(syncs):
-        delta = [1e-2 * torch.randn(s, generator=torch.Generator().manual_seed(100 * round_ + i)) for s in SHAPES]
-        pending = sync.contribution(round_, start, fingerprint(start), delta, tokens[i])
-        sync.begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 15)
-        pendings.append(pending)
-    with ThreadPoolExecutor(len(syncs)) as pool:
-        for i, (sync, pending) in enumerate(zip(syncs, pendings, strict=True)):
-            honest = i < len(syncs) - 1 and judge_with is not None
-            judge = (lambda claims: implausible_claims(claims, judge_with, window)) if honest else None
-            jobs.append(pool.submit(sync.finish, pending, lambda: False, lambda: None, None, judge))
-        outcomes = [job.result() for job in jobs]
-    for sync, pending, outcome in zip(syncs, pendings, outcomes, strict=True):
-        if not outcome.contributed:
-            sync.drop(pending)
-    return outcomes
-
-
 @pytest.mark.multipeer
 @pytest.mark.timeout(180)
 def test_a_member_claiming_more_than_its_speed_allows_is_left_out_of_the_round_by_the_honest_majority() -> None:
@@ -98,13 +68,18 @@ def test_a_member_claiming_more_than_its_speed_allows_is_left_out_of_the_round_b
             s.me: PeerRecord(**record_fields(s.me, tokens_per_s=100.0, step_s=5.0)) for s in syncs
         }
         start = [torch.full(s, 0.25) for s in SHAPES]
-        round0 = play_round(syncs, 0, start, [64, 64, 64], judge_with=None)
+        window = RoundWindow(10.0, 2.0, 1, 30, 1, BATCH_TOKENS)
+
+        def judge(claims: dict[str, int]) -> set[str]:
+            return implausible_claims(claims, records, window)
+
+        round0 = contribute(syncs, 0, start, seed=0)
         assert all(o.new_tensors is not None and o.contributors == 3 for o in round0)
         theta = round0[0].new_tensors
         assert theta is not None
 
         # round 1: the last member claims 10¹² tokens; its record says 100 tokens/s
-        round1 = play_round(syncs, 1, theta, [64, 64, 10**12], judge_with=records)
+        round1 = contribute(syncs, 1, theta, seed=100, tokens=[64, 64, 10**12], judges=[judge, judge, None])
         assert [o.contributors for o in round1] == [2, 2, 2]
         assert [o.contributed for o in round1] == [True, True, False]
         assert len({fingerprint(o.new_tensors) for o in round1 if o.new_tensors is not None}) == 1
@@ -113,5 +88,5 @@ def test_a_member_claiming_more_than_its_speed_allows_is_left_out_of_the_round_b
         assert theta is not None
 
         # the same claim where nobody judges it is in: the judgement, not the claim's size, left it out
-        round2 = play_round(syncs, 2, theta, [64, 64, 10**12], judge_with=None)
+        round2 = contribute(syncs, 2, theta, seed=200, tokens=[64, 64, 10**12])
         assert [o.contributors for o in round2] == [3, 3, 3]

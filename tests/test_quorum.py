@@ -14,6 +14,7 @@ import torch
 from factories import run_config
 from hypothesis import given
 from hypothesis import strategies as st
+from shard_rounds import SHAPES, contribute
 
 from hetero_node.bench.poison import swarm
 from hetero_node.client.config import SyncTimeouts
@@ -61,30 +62,6 @@ def test_a_certificate_survives_a_checkpoint_and_garbage_is_none(members: frozen
     assert Certificate.from_dict(tensor_file.loads(tensor_file.dumps(certificate.to_dict()))) == certificate
     for garbage in (None, [], {"round": "3", "members": [], "start_fp": ""}, {"round": 3, "members": [1]}):
         assert Certificate.from_dict(garbage) is None
-
-
-SHAPES = [(32, 16), (50,)]
-
-
-def contribute(syncs: list[ShardSync], round_: int, start: list[torch.Tensor], seed: int) -> list[ShardOutcome]:
-    """One round among `syncs` only (the others are cut off), everyone from `start`."""
-    from hivemind.utils import get_dht_time
-
-    names = [s.me for s in syncs]
-    pendings = []
-    for i, sync in enumerate(syncs):
-        gen = torch.Generator().manual_seed(seed + i)
-        delta = [1e-2 * torch.randn(s, generator=gen) for s in SHAPES]
-        pending = sync.contribution(round_, start, fingerprint(start), delta, 64)
-        sync.begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 15)
-        pendings.append(pending)
-    with ThreadPoolExecutor(len(syncs)) as pool:
-        jobs = [pool.submit(s.finish, p, lambda: False, lambda: None) for s, p in zip(syncs, pendings, strict=True)]
-        outcomes = [job.result() for job in jobs]
-    for sync, pending, outcome in zip(syncs, pendings, outcomes, strict=True):
-        if not outcome.contributed:
-            sync.drop(pending)
-    return outcomes
 
 
 @pytest.mark.multipeer
