@@ -69,13 +69,14 @@ class Contributing:
             scheduled = (plan.deadline or get_dht_time()) + plan.grace_s
             running = self.runtime.running(records)  # a record no node answers for is neither waited for nor live
             futures = {}
+            judge = self.implausible(plan)
             for shard, pending in pendings.items():
                 coming = view.coming_members(running, t, shard, stages)
                 self.syncs[shard].begin(pending, coming, self.live_members(running, shard), scheduled)
             for shard, pending in pendings.items():
                 futures[shard] = self._executor.submit(
                     self.syncs[shard].finish, pending, self.moved_on(t, shard), self.vouched(t, shard),
-                    self.may_seal(t), self.implausible(plan),
+                    self.may_seal(t), judge,
                 )  # fmt: skip
         cutoff = weights_at_deadline(self.params) if self.overlap else None
         comm_s = time.perf_counter() - started
@@ -117,13 +118,20 @@ class Contributing:
 
     def implausible(self, plan: RoundPlan) -> Callable[[dict[str, int]], set[str]]:
         """Which of a round's claims (author → tokens) its authors' advertised speeds do not allow in the round as
-        we planned it (`protocol/claims.py`), read from the records when we seal: a claimant writes its speed of this
-        round just before its statement."""
+        we planned it (`protocol/claims.py`), from the records as the first of our shards to seal reads them (a
+        claimant writes its speed of this round just before its statement); our other shards judge by the same read."""
         batch_tokens = self.run_cfg.batch_size * self.run_cfg.seq_len
         window = RoundWindow(
             plan.length_s, plan.grace_s, plan.accumulation, plan.reference_steps, plan.min_steps, batch_tokens
         )
-        return lambda claims: implausible_claims(claims, self.records(timeout=1.0), window)
+        read: list[dict[str, PeerRecord]] = []
+
+        def judge(claims: dict[str, int]) -> set[str]:
+            if not read:
+                read.append(self.records(timeout=1.0))
+            return implausible_claims(claims, read[0], window)
+
+        return judge
 
     def moved_on(self, t: int, shard: int) -> Callable[[], bool]:
         """Whether the shard's other members finished round t without us: more of them certified it than are
