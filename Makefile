@@ -153,7 +153,7 @@ bench-fuzz-swarm: venv data
 bench-poison: venv
 	$(BIN)/hetero-node-lab poison --out bench/results/poison
 
-# Record-only identities (4,097 and 10^5, ids ground low) against an honest node's view and votes (one process, ~15 s).
+# Record-only identities (4,097 and 10^5, ids ground low) against an honest node's view and votes (one process, ~60 s).
 bench-sybil: venv
 	$(BIN)/hetero-node-lab sybil --out bench/results/sybil
 

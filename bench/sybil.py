@@ -19,7 +19,11 @@ round 7 as the swarm's, vouch for the honest fingerprint, and are Sybils among a
   stands behind them; the real challenge, an authenticated dial, is `bench-poison`'s record-only scenario), and it
   has challenged every record;
 * **joiner, 30 reads**: the same joiner as a node is: it has read the records 30 times a second apart, each time
-  challenging 64 of the peers it kept (`MAX_CHALLENGES`, contested slots' claimants first: `WorkLedger.to_challenge`).
+  challenging 64 of the peers it kept (`MAX_CHALLENGES`, contested slots' claimants first: `WorkLedger.to_challenge`),
+  introduced to nobody (it joined through a stock hivemind-dht);
+* **introduced, 30 reads**: that joiner introduced by the bootstrap it joined through (`protocol/introduction.py`) to
+  the DHT nodes in its routing table: the honest peers, which talk to it; a record-only id never does
+  (`tests/test_introduction.py` checks this over real libp2p).
 
 Slots and a shard's members are read from the records the reader counts as running (what its planner and its rounds
 read: `PeerRuntime.running` drops the peers that did not answer their last challenge).
@@ -53,7 +57,13 @@ SLOT_CLAIMERS = 16
 """Sybils that also claim the incumbent's slot, with `claimed_at = 0`."""
 JOINER_READS = 30
 """Reads of the records (a second apart, as `RECORDS_REREAD_S` allows) the realistic joiner has made."""
-READERS = ("records (before)", "established", "joiner", f"joiner, {JOINER_READS} reads")
+READERS = (
+    "records (before)",
+    "established",
+    "joiner",
+    f"joiner, {JOINER_READS} reads",
+    f"introduced, {JOINER_READS} reads",
+)
 Records = dict[str, PeerRecord]
 
 
@@ -135,10 +145,12 @@ def joiner(honest: Records, sybils: Records) -> Reader:
     return ledger_reader(ledger)
 
 
-def reading_joiner(honest: Records, found: Records, reads: int) -> Reader:
+def reading_joiner(honest: Records, found: Records, reads: int, introduced: Records | None = None) -> Reader:
     """A fresh node after `reads` reads of `found` a second apart, each challenging up to `MAX_CHALLENGES` of the
-    peers it kept (contested slots' claimants first), as `PeerRuntime.running` does; the honest answer."""
+    peers it kept (introduced ones first, then contested slots' claimants), as `PeerRuntime.running` does; the honest
+    answer. `introduced`: the peers it was introduced to as it joined (`PeerRuntime.ask_introductions`)."""
     ledger = WorkLedger()
+    ledger.note_introduced(introduced or {}, NOW - reads)
     for i in range(reads):
         at = NOW - reads + i
         ledger.note_records(found.values(), at)
@@ -178,7 +190,9 @@ def run_sybil(cfg: SybilConfig, progress: Any = None) -> dict[str, Any]:
         sybils = sybil_records(size)
         found = {**sybils, **honest}
         readers = dict(zip(READERS, (records_rule(), established(honest), joiner(honest, sybils),
-                                     reading_joiner(honest, found, JOINER_READS)), strict=True))  # fmt: skip
+                                     reading_joiner(honest, found, JOINER_READS),
+                                     reading_joiner(honest, found, JOINER_READS, introduced=honest)),
+                           strict=True))  # fmt: skip
         floods[str(size)] = {name: judge(reader, honest, found) for name, reader in readers.items()}
         if progress is not None and task is not None:
             progress.advance(task)

@@ -2,8 +2,9 @@
 
 It trains nothing. Its jobs: be reachable at the same multiaddr across restarts (identity file + fixed port);
 publish the run definition, signed with its identity's RSA key, so a joiner needs nothing but the join line; tell a
-joiner which key that is (over the authenticated libp2p connection); answer bandwidth probes; keep its routing
-table and its announcement fresh. It validates the run's peer records like every peer, so a forged or
+joiner which key that is (over the authenticated libp2p connection); answer bandwidth probes; introduce a joiner to the
+running nodes (those in its routing table: `protocol/introduction.py`); keep its routing table and its announcement
+fresh. It validates the run's peer records like every peer, so a forged or
 malformed record is not even stored here.
 """
 
@@ -22,6 +23,7 @@ from hetero_node.bootstrap.config import BootstrapConfig
 from hetero_node.protocol.errors import PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity
+from hetero_node.protocol.introduction import register_introduction_handler
 from hetero_node.protocol.keys import RUN_KEY_HANDLER, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
@@ -139,13 +141,15 @@ class BootstrapNode:
 
 
 async def _serve_requests(_dht: Any, node: Any, public_key: bytes, run_id: str) -> None:
-    """Runs inside the DHT process (via a picklable partial): answer run-key requests and bandwidth probes on
-    the DHT's own P2P instance, so both share the bootstrap's peer id."""
+    """Runs inside the DHT process (via a picklable partial): answer run-key requests, introductions and bandwidth
+    probes on the DHT's own P2P instance, so all share the bootstrap's peer id. An introduction names the DHT nodes
+    in the routing table: each has talked to us over an authenticated connection, which a record-only id never did."""
 
     async def answer_run_key(_request: Any, _context: Any) -> Any:
         return wire.RunKeyReply(public_key=public_key, run_id=run_id)
 
     await node.p2p.add_protobuf_handler(RUN_KEY_HANDLER, answer_run_key, wire.RunKeyRequest)
+    await register_introduction_handler(node.p2p, lambda: list(node.protocol.routing_table.uid_to_peer_id.values()))
     await register_probe_handlers(node.p2p)
     await register_dialback_handler(node.p2p)
 

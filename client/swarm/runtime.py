@@ -32,6 +32,7 @@ from hetero_node.client.swarm.work_ledger import ANSWERED, ASKING, SILENT, WorkL
 from hetero_node.protocol.errors import ConfigError, DaemonError, PayloadError, PeerAddressError
 from hetero_node.protocol.frames import bound_hivemind_frames
 from hetero_node.protocol.identity import create_identity, load_identity, owner_peer_id
+from hetero_node.protocol.introduction import ask_introduction, register_introduction_handler
 from hetero_node.protocol.keys import blob_handler_name, peers_key, runs_key
 from hetero_node.protocol.probe import register_probe_handlers
 from hetero_node.protocol.proto_build import load_proto_module
@@ -79,9 +80,17 @@ CHALLENGE_S = 3.0
 """How long a liveness challenge (a dial at the peer's recorded addresses) may take before the peer counts as silent."""
 MAX_CHALLENGES = 64
 """Peers one call challenges at most (the others at the next call): a flood of records cannot make one wait long."""
+INTRODUCTION_S = 5.0
+"""How long a joiner waits for the peers it joined through to introduce it (`protocol/introduction.py`)."""
 RECORDS_REREAD_S = 1.0
 """Least time between two reads of the records made on demand: for an unknown peer asking for a blob (private
 swarms) and for a failed fetch (the peer may have moved to new addresses)."""
+
+
+def _dht_time() -> float:
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
 
 
 def not_served(kind: str) -> str:
@@ -246,6 +255,7 @@ class PeerRuntime:
         self.p2p = self.run(self.dht.replicate_p2p())
         self.peer_id = self.p2p.peer_id
         self.dialer = PeerDialer(self)
+        self.run(register_introduction_handler(self.p2p, lambda: self.work.introduction(_dht_time())))
         if not client_mode and not relays:
             self.run(register_probe_handlers(self.p2p))
             self.run(register_dialback_handler(self.p2p))
@@ -256,12 +266,30 @@ class PeerRuntime:
         self.dht.add_validators(run_validators(run_id))
         if self.swarm_key is not None:
             self.dht.add_validators([MemberProofValidator(self.swarm_key, peers_key(run_id))])
+        self.ask_introductions()
         if serve:
             self.run(
                 self.p2p.add_protobuf_handler(
                     blob_handler_name(run_id), self._serve_blob, wire.BlobRequest, stream_output=True
                 )
             )
+
+    def ask_introductions(self) -> None:
+        """Ask the peers we joined through (`--peers`) whom they have seen running (`protocol/introduction.py`): our
+        first challenges, and our view over the record cap, go to those."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        introducers = {Multiaddr(maddr).value_for_protocol("p2p") for maddr in self.initial_peers}
+
+        async def ask_all() -> list[list[str]]:
+            asks = (ask_introduction(self.p2p, PeerID.from_base58(p), INTRODUCTION_S) for p in introducers)
+            return await asyncio.gather(*asks)
+
+        introduced = {peer for peers in self.run(ask_all()) for peer in peers} - {str(self.peer_id)}
+        self.work.note_introduced(introduced, _dht_time())
+        if introducers:
+            logger.info("introduced to %d running peers by %d we joined through", len(introduced), len(introducers))
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

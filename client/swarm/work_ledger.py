@@ -9,13 +9,17 @@ record-only Sybils (the security review's C2, C5, N1, N7). A reader therefore re
   a running node behind the key, which a record alone is not;
 * **first sight**: when it first read each peer's record, and each slot claim: an incumbent is what this reader
   saw first, never what a record says of itself (`claimed_at = 0` took any slot; the lowest peer ids, which can be
-  ground, took the whole view).
+  ground, took the whole view);
+* **introduction**: the peers that the peer it joined through has seen running (`protocol/introduction.py`): a
+  joiner has seen nobody work yet, and at 10⁵ record-only ids its own challenges would not find the running nodes
+  for minutes.
 
 Votes count working peers; a reader that knows none yet (a joiner, a fresh swarm's first round) counts those that
-answered a challenge. Over the record cap, working peers are kept first, then incumbents, then an order this
-reader's secret salt fixes and nobody else can aim at, and peers that did not answer their challenge last. Claimants
-of a contested slot are challenged first: a reader that knows none of them counts the earliest claim it read, and a
-flood of claims dated 0 all read at once ties with the incumbent's.
+answered a challenge. Over the record cap, working peers are kept first, then those that answered or were
+introduced, then incumbents, then an order this reader's secret salt fixes and nobody else can aim at, and peers
+that did not answer their challenge last. Introduced peers are challenged first, then the claimants of a contested
+slot: a reader that knows none of them counts the earliest claim it read, and a flood of claims dated 0 all read at
+once ties with the incumbent's.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ WORK_MEMORY_S = 3600.0
 ALIVE_S = 120.0
 """How long an answered challenge counts; a silent peer (or one being asked) is not asked again for `SILENT_S`."""
 SILENT_S = 60.0
+INTRODUCED_S = 600.0
+"""How long an introduction orders challenges and the view: by then a joiner has seen the peers work, or not."""
 ASKING, ANSWERED, SILENT = "asking", "answered", "silent"
 
 
@@ -50,6 +56,8 @@ class WorkLedger:
         self.worked: dict[str, float] = {}
         self.challenged: dict[str, tuple[float, str]] = {}
         """peer id → (when, how) its last challenge went: ASKING, ANSWERED or SILENT."""
+        self.introduced: dict[str, float] = {}
+        """peer id → when the peer we joined through last named it running."""
 
     # ------------------------------------------------------------------------------------------ observations
 
@@ -67,6 +75,8 @@ class WorkLedger:
             del self.challenged[peer]  # judgements this old count for nothing: a flood of ids cannot pile them up
         for peer in [p for p, at in self.worked.items() if now - at > WORK_MEMORY_S]:
             del self.worked[peer]
+        for peer in [p for p, at in self.introduced.items() if now - at > INTRODUCED_S]:
+            del self.introduced[peer]
 
     def note_work(self, peers: Iterable[str], now: float) -> None:
         """`peers` did verifiable work: authors of a certified round, a donor whose state checked out."""
@@ -77,10 +87,15 @@ class WorkLedger:
         """`outcome`: ASKING (a challenge went out), ANSWERED or SILENT."""
         self.challenged[peer] = (now, outcome)
 
+    def note_introduced(self, peers: Iterable[str], now: float) -> None:
+        """The peer we joined through named `peers` running (`protocol/introduction.py`)."""
+        for peer in peers:
+            self.introduced[peer] = now
+
     # ------------------------------------------------------------------------------------------ judgements
 
     def working(self, now: float) -> set[str]:
-        return {peer for peer, at in self.worked.items() if now - at <= WORK_MEMORY_S}
+        return {peer for peer, at in dict(self.worked).items() if now - at <= WORK_MEMORY_S}
 
     def alive(self, now: float) -> set[str]:
         return self._challenged(ANSWERED, ALIVE_S, now)
@@ -88,16 +103,25 @@ class WorkLedger:
     def silent(self, now: float) -> set[str]:
         return self._challenged(SILENT, SILENT_S, now)
 
+    def introduction(self, now: float) -> list[str]:
+        """Whom we introduce a joiner to: the peers we saw working, then those that answered a challenge."""
+        working = sorted(self.working(now))
+        return working + sorted(self.alive(now) - set(working))
+
+    def _introduced(self, now: float) -> set[str]:
+        return {peer for peer, at in self.introduced.items() if now - at <= INTRODUCED_S}
+
     def to_challenge(self, records: Mapping[str, PeerRecord], now: float) -> list[str]:
-        """Of `records`' peers, those neither known alive nor asked lately: first those claiming a slot another record
-        claims too (which of them runs a node decides who holds it, and where a joiner goes), then in this reader's
-        own order."""
+        """Of `records`' peers, those neither known alive nor asked lately: first those we were introduced to, then
+        those claiming a slot another record claims too (which of them runs a node decides who holds it, and where a
+        joiner goes), then in this reader's own order."""
         known = self.alive(now) | self.silent(now) | self._challenged(ASKING, SILENT_S, now)
+        introduced = self._introduced(now)
         claims = Counter(slot for r in records.values() if (slot := _slot(r)) is not None)
 
-        def order(peer: str) -> tuple[bool, bytes]:
+        def order(peer: str) -> tuple[bool, bool, bytes]:
             slot = _slot(records[peer])
-            return slot is None or claims[slot] < 2, self._rank(peer)
+            return peer not in introduced, slot is None or claims[slot] < 2, self._rank(peer)
 
         return sorted((p for p in records if p not in known), key=order)
 
@@ -112,7 +136,8 @@ class WorkLedger:
         return {pid: r for pid, r in records.items() if pid not in gone}
 
     def _challenged(self, outcome: str, within_s: float, now: float) -> set[str]:
-        return {peer for peer, (at, how) in self.challenged.items() if how == outcome and now - at <= within_s}
+        # a copy: challenges are answered (and this is read by an introduction) on the P2P loop's thread
+        return {peer for peer, (at, how) in dict(self.challenged).items() if how == outcome and now - at <= within_s}
 
     def voters(self, records: Mapping[str, PeerRecord], now: float, me: str = "") -> dict[str, PeerRecord] | None:
         """The records whose peers count in a vote (a majority of fingerprints, the swarm's round): the working
@@ -128,15 +153,16 @@ class WorkLedger:
         return own or None
 
     def keep(self, peers: Iterable[str], limit: int, now: float) -> list[str]:
-        """At most `limit` of `peers`: working ones first, then those first seen earliest (incumbents), then in an
-        order this reader's salt fixes; those that did not answer their last challenge last. Never by peer id: ids
-        can be ground low by anyone."""
+        """At most `limit` of `peers`: working ones first, then those that answered a challenge or were introduced,
+        then those first seen earliest (incumbents), then in an order this reader's salt fixes; those that did not
+        answer their last challenge last. Never by peer id: ids can be ground low by anyone."""
         working = self.working(now)
         gone = self.silent(now) - working
+        vouched = self.alive(now) | self._introduced(now)
 
-        def order(peer: str) -> tuple[bool, bool, float, bytes]:
+        def order(peer: str) -> tuple[bool, bool, bool, float, bytes]:
             first = self.seen.get(peer, [now])[0]
-            return peer not in working, peer in gone, first, self._rank(peer)
+            return peer not in working, peer in gone, peer not in vouched, first, self._rank(peer)
 
         return sorted(peers, key=order)[:limit]
 
