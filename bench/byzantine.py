@@ -50,8 +50,9 @@ DILUTE = 1e-3
 """`dilute`: how much the attacker shrinks its honest pseudo-gradient by (it agrees, and adds nothing)."""
 NOISE = 3.0
 """`noise`: the norm of the random step the attacker adds to its honest one, in units of that one's norm."""
-CLAIMED_TOKENS = 1000
-"""`heavy-flip`: how many times an honest replica's tokens the attacker claims to have trained."""
+CLAIMED_TOKENS = 2**40
+"""`heavy-flip`: how many times an honest replica's tokens the attacker claims to have trained (the review's claim;
+the lab has no records, so the nodes' bound by advertised speed, `protocol/claims.py`, does not apply here)."""
 DEVICE = torch.device("cpu")
 
 
@@ -317,28 +318,44 @@ def progress_kept(cell: dict[str, Any], clean: dict[str, Any]) -> float:
     return drop / statistics.fmean(curve[0] - curve[-1] for curve in clean["curves"])
 
 
+def worst_round(cell: dict[str, Any], clean: dict[str, Any]) -> float:
+    """The largest amount by which the attacked run's eval loss exceeded the clean run's after any round, over
+    seeds, as a share of the clean loss (the trust issue's target: no single member moves eval loss by more than 1%
+    in a round, whatever it claims). Never below 0: an attack that helps moves nothing the wrong way."""
+    gaps = (
+        attacked / plain - 1
+        for curve, clean_curve in zip(cell["curves"], clean["curves"], strict=True)
+        for attacked, plain in zip(curve[1:], clean_curve[1:], strict=True)
+    )
+    return max(0.0, *gaps)
+
+
 def render_markdown(report: dict[str, Any]) -> str:
-    """One row per (group, attack): each rule's final eval loss and its change against that rule's clean run."""
+    """One row per (group, attack): each rule's final eval loss, its change against that rule's clean run, the
+    progress kept and the worst round."""
     cells = {(c["rule"], c["honest"], c["attack"]): c for c in report["cells"]}
     rules = list(dict.fromkeys(c["rule"] for c in report["cells"]))
     rows = list(dict.fromkeys((c["honest"], c["attack"]) for c in report["cells"]))
-    header = "| group | attack | " + " | ".join(f"{r}: eval loss | vs clean | progress kept" for r in rules) + " |"
-    lines = [header, "|" + "---|" * (2 + 3 * len(rules))]
+    columns = ("eval loss", "vs clean", "progress kept", "worst round")
+    header = "| group | attack | " + " | ".join(f"{r}: {c}" if c == columns[0] else c for r in rules for c in columns)
+    lines = [header + " |", "|" + "---|" * (2 + len(columns) * len(rules))]
     for honest, attack in rows:
         attackers = 0 if attack == "none" else 2 if attack == "collude" else 1
         row = [f"{honest} honest + {attackers}", attack]
         for rule in rules:
             cell, clean = cells.get((rule, honest, attack)), cells.get((rule, honest, "none"))
             if cell is None or clean is None:
-                row += ["–", "–", "–"]
+                row += ["–"] * len(columns)
                 continue
             change = statistics.fmean(cell["finals"]) / statistics.fmean(clean["finals"]) - 1
-            row += [_summary(cell["finals"]), f"{change:+.1%}", f"{progress_kept(cell, clean):.0%}"]
+            kept, worst = progress_kept(cell, clean), worst_round(cell, clean)
+            row += [_summary(cell["finals"]), f"{change:+.1%}", f"{kept:.0%}", f"+{worst:.1%}"]
         lines.append("| " + " | ".join(row) + " |")
     config = report["config"]
     lines.append(
         f"\n`{config['preset']}`, warm start {config['warm_steps']} steps, {config['rounds']} rounds of H = "
         f"{config['inner_steps']}, {config['seeds']} seed(s); eval loss of the honest replicas after the last round; "
-        "progress kept: its drop from the warm start's eval loss over the clean run's."
+        "progress kept: its drop from the warm start's eval loss over the clean run's; worst round: the most the "
+        "attacked run's eval loss exceeded the clean run's after any round (goal: at most 1%)."
     )
     return "\n".join(lines) + "\n"

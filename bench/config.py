@@ -210,7 +210,7 @@ BYZANTINE_ATTACKS = (
     "scale", "sign-flip", "heavy-flip", "fixed-top", "concentrate", "zero", "collude", "negate", "blind-negate",
     "dilute", "noise", "hidden-concentrate",
 )  # fmt: skip
-"""scale: its honest Δ ×100; sign-flip: −Δ (gradient ascent); heavy-flip: −Δ claiming 1000× the tokens; fixed-top:
+"""scale: its honest Δ ×100; sign-flip: −Δ (gradient ascent); heavy-flip: −Δ claiming 2⁴⁰× the tokens; fixed-top:
 the same coordinates at the top centroid every round; concentrate: the whole norm budget on one row of the head, along
 the mean final hidden state (one token's logit up everywhere); zero: an all-zero message; collude: two peers sending
 the same fixed-top message; negate: −100× the honest members' mean step, read from their messages before it sends

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from rich.progress import Progress
 
-from hetero_node.bench.byzantine import render_markdown, run_byzantine
+from hetero_node.bench.byzantine import render_markdown, run_byzantine, worst_round
 from hetero_node.bench.config import ByzantineConfig
 from hetero_node.protocol.errors import ConfigError
 
@@ -28,6 +28,13 @@ def test_the_robust_rule_blunts_an_attack_the_mean_rule_lets_through(tmp_path: P
     assert final[("robust", "concentrate")] < 1.05 * final[("robust", "none")]
     assert json.loads((tmp_path / "report.json").read_text())["cells"] == report["cells"]
     assert "| 3 honest + 1 | concentrate |" in render_markdown(report)
+
+
+def test_the_worst_round_is_the_largest_excess_over_the_clean_run_in_any_round() -> None:
+    clean = {"curves": [[3.0, 2.0, 1.8, 1.6], [3.0, 2.1, 1.9, 1.7]]}
+    attacked = {"curves": [[3.0, 2.02, 1.8, 1.6], [3.0, 2.1, 1.938, 1.6]]}
+    assert worst_round(attacked, clean) == pytest.approx(0.02)  # seed 1's second round: 1.938 over 1.9
+    assert worst_round({"curves": [[3.0, 1.0, 1.0, 1.0]] * 2}, clean) == 0.0  # helping moves nothing the wrong way
 
 
 @pytest.mark.parametrize("change", [{"attacks": "bogus"}, {"rules": "median"}, {"honest": "4,x"}, {"honest": "0"}])
