@@ -8,6 +8,9 @@ encode Δ with the run's `OuterMethod` per parameter shard (error feedback, top-
 bytes, and every member's θ(t+1) is `combine` + `update` of those messages, as in a group. Attackers are members
 whose message is crafted (see `BYZANTINE_ATTACKS` in `bench.config`); it always passes `validate_message`.
 
+A rule may carry `+loss`: Gauntlet-style admission (templar's LossScore) before it combines, measured here and not
+in the nodes (`loss_admitted`).
+
 A cell is (rule, honest group size, attack); its figure is the honest replicas' eval loss after the last round,
 compared with the same rule's run without the attacker (the loss impact) and with the mean rule's clean run (the
 price of the rule itself). Runs start from one warm-started model, so early-training noise does not drown the
@@ -53,6 +56,12 @@ NOISE = 3.0
 CLAIMED_TOKENS = 2**40
 """`heavy-flip`: how many times an honest replica's tokens the attacker claims to have trained (the review's claim;
 the lab has no records, so the nodes' bound by advertised speed, `protocol/claims.py`, does not apply here)."""
+LOSS_ADMISSION = "+loss"
+PROBE_BATCHES = 4
+"""Batches a `+loss` judge scores each member's step on (one batch's loss moved against the step in 2 rounds of 3)."""
+LOSS_FLOOR = 0.25
+"""`+loss` admission: a member counts if its step alone lowers the probe batch's loss by more than 0 and by at least
+this share of the median member's drop (a member that agrees and adds nothing, `dilute`, drops it by ~0)."""
 DEVICE = torch.device("cpu")
 
 
@@ -227,16 +236,39 @@ def warm_start(run: RunConfig, store: TokenStore, steps: int, total_steps: int) 
     return WarmStart(trainer, shard_parameter_names(preset, run.outer.stages))
 
 
+def loss_admitted(
+    judge: Member, start: list[list[torch.Tensor]], sent: list[list[SparseMessage]], weights: list[float],
+    names: list[str], probe: list[Any],
+) -> list[int]:  # fmt: skip
+    """Which members a Gauntlet-style judge admits: the loss of `probe` (batches from a data shard nobody trains on)
+    before and after the outer step each member's messages make alone, under the judge's rule; those whose step
+    lowers it by more than 0 and by at least `LOSS_FLOOR` × the median drop. Leaves the judge's weights at θ(t).
+    (A node cannot rely on this as is: members on different hardware compute losses that differ in the last bits,
+    and a verdict near the floor would then split the group.)"""
+    judge.set_params(start)  # it holds its own trained weights until the round's end
+    before = judge.trainer.evaluate(probe)
+    drops = []
+    for i, msgs in enumerate(sent):
+        judge.set_params([m.update(start[s], m.combine([msgs[s]], [weights[i]], [names[i]]))
+                          for s, m in enumerate(judge.methods)])  # fmt: skip
+        drops.append(before - judge.trainer.evaluate(probe))
+    judge.set_params(start)
+    floor = LOSS_FLOOR * statistics.median(drops)
+    return [i for i, drop in enumerate(drops) if drop > 0 and drop >= floor]
+
+
 def run_cell(
     run: RunConfig, store: TokenStore, warm: WarmStart, held_out: list, honest: int, attack: str | None,
-    on_round: Callable[[], None],
+    on_round: Callable[[], None], admission: bool = False,
 ) -> list[float]:  # fmt: skip
-    """Eval loss of the honest replicas after each round of one (rule, group, attack) run."""
+    """Eval loss of the honest replicas after each round of one (rule, group, attack) run; `admission`: the rule's
+    `+loss` (`loss_admitted`)."""
     n_attackers = 0 if attack is None else 2 if attack == "collude" else 1
     members = [Member(run, store, warm, r) for r in range(honest + n_attackers)]
     names = [f"honest-{r}" for r in range(honest)] + [f"attacker-{a}" for a in range(n_attackers)]
     tokens = float(run.outer.inner_steps * run.batch_size * run.seq_len)
     weights = [tokens] * honest + [tokens * (CLAIMED_TOKENS if attack == "heavy-flip" else 1)] * n_attackers
+    probes = ShardBatches(store, run.data_shards - 1, run.data_shards, run.batch_size, run.seq_len, run.seed + 7)
     losses = []
     for t in range(run.outer.rounds):
         start = [[p.detach().clone() for p in params] for params in members[0].shards]
@@ -247,10 +279,15 @@ def run_cell(
             sent.append(attacker_messages(attack or "", a, start, sent[:honest]))
         if attack == "collude":  # both push the first attacker's coordinates
             sent[-1] = sent[-2]
+        counted = range(len(sent))
+        if admission:
+            probe = [probes.batch(t * PROBE_BATCHES + k) for k in range(PROBE_BATCHES)]
+            counted = loss_admitted(members[0], start, sent, weights, names, probe)
         judge: list[OuterMethod] = members[0].methods
         new = []
         for s, method in enumerate(judge):
-            combined = method.combine([msgs[s] for msgs in sent], weights, names)
+            combined = method.combine([sent[i][s] for i in counted], [weights[i] for i in counted],
+                                      [names[i] for i in counted])  # fmt: skip
             new.append(method.update(start[s], combined))
         for m in members:
             m.set_params(new)
@@ -283,13 +320,13 @@ def run_byzantine(cfg: ByzantineConfig, progress: Progress) -> dict[str, Any]:
         held_out = val_batches(store, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         start_loss = warm.trainer.evaluate(held_out)
         for rule in cfg.rule_list:
-            run = _run_config(cfg, tokenizer.vocab_size, store, seed, rule)
+            run = _run_config(cfg, tokenizer.vocab_size, store, seed, rule.removesuffix(LOSS_ADMISSION))
             for (r, n, attack), cell in cells.items():
                 if r != rule:
                     continue
                 progress.update(task, description=f"seed {seed} {rule} {n}+{attack}")
                 curve = run_cell(run, store, warm, held_out, n, None if attack == "none" else attack,
-                                 lambda: progress.advance(task))  # fmt: skip
+                                 lambda: progress.advance(task), admission=rule.endswith(LOSS_ADMISSION))  # fmt: skip
                 cell.finals.append(curve[-1])
                 cell.curves.append([start_loss, *curve])
                 logger.info("seed %d %s %d+%s: %s", seed, rule, n, attack, " ".join(f"{x:.3f}" for x in curve))

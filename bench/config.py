@@ -228,7 +228,10 @@ class ByzantineConfig:
     once ran 6)."""
 
     attacks: str = field(default=",".join(BYZANTINE_ATTACKS), metadata={"help": "Comma-separated attacks."})
-    rules: str = field(default="mean,robust", metadata={"help": "Aggregation rules to compare: mean, robust."})
+    rules: str = field(
+        default="mean,robust",
+        metadata={"help": "Rules to compare: mean, robust; with +loss (mean+loss): loss-scored admission first."},
+    )
     honest: str = field(default="4,2", metadata={"help": "Group sizes of honest replicas (one attacker each)."})
     preset: str = field(default="tiny", metadata={"help": "Model preset."})
     rounds: int = field(default=12, metadata={"help": "Outer rounds after the warm start."})
@@ -246,8 +249,8 @@ class ByzantineConfig:
             raise ConfigError(f"--warm-steps must not be negative, got {self.warm_steps}")
         if not set(self.attack_list) <= set(BYZANTINE_ATTACKS) or not self.attack_list:
             raise ConfigError(f"--attacks {self.attacks!r}: choose from {', '.join(BYZANTINE_ATTACKS)}")
-        if not set(self.rule_list) <= {"mean", "robust"} or not self.rule_list:
-            raise ConfigError(f"--rules {self.rules!r}: choose from mean, robust")
+        if not set(self.rule_list) <= {"mean", "robust", "mean+loss", "robust+loss"} or not self.rule_list:
+            raise ConfigError(f"--rules {self.rules!r}: choose from mean, robust, mean+loss, robust+loss")
         try:
             sizes = self.honest_sizes
         except ValueError:

@@ -30,6 +30,19 @@ def test_the_robust_rule_blunts_an_attack_the_mean_rule_lets_through(tmp_path: P
     assert "| 3 honest + 1 | concentrate |" in render_markdown(report)
 
 
+@pytest.mark.usefixtures("bundled_cache_dir")
+def test_loss_scored_admission_leaves_a_negating_member_out(tmp_path: Path) -> None:
+    """`+loss` (Gauntlet-style, lab only): the member whose step alone raises the probe batch's loss is not counted,
+    so the honest pair's round is what it is without it."""
+    cfg = ByzantineConfig(attacks="negate", honest="2", rules="mean,mean+loss", rounds=1, inner_steps=4,
+                          warm_steps=20, out=tmp_path)  # fmt: skip
+    with Progress(disable=True) as progress:
+        report = run_byzantine(cfg, progress)
+    final = {(c["rule"], c["attack"]): c["finals"][0] for c in report["cells"]}
+    assert final[("mean+loss", "negate")] == pytest.approx(final[("mean+loss", "none")], rel=1e-3)
+    assert final[("mean", "negate")] > final[("mean", "none")] + 1e-3  # without admission, it moves the round
+
+
 def test_the_worst_round_is_the_largest_excess_over_the_clean_run_in_any_round() -> None:
     clean = {"curves": [[3.0, 2.0, 1.8, 1.6], [3.0, 2.1, 1.9, 1.7]]}
     attacked = {"curves": [[3.0, 2.02, 1.8, 1.6], [3.0, 2.1, 1.938, 1.6]]}
