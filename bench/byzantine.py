@@ -58,9 +58,9 @@ CLAIMED_TOKENS = 2**40
 the lab has no records, so the nodes' bound by advertised speed, `protocol/claims.py`, does not apply here)."""
 LOSS_ADMISSION = "+loss"
 PROBE_BATCHES = 4
-"""Batches a `+loss` judge scores each member's step on (one batch's loss moved against the step in 2 rounds of 3)."""
+"""Batches a `+loss` judge scores each member's step on, fresh ones each round (as many as an evaluation's)."""
 LOSS_FLOOR = 0.25
-"""`+loss` admission: a member counts if its step alone lowers the probe batch's loss by more than 0 and by at least
+"""`+loss` admission: a member counts if its step alone lowers the probe batches' loss by more than 0 and by at least
 this share of the median member's drop (a member that agrees and adds nothing, `dilute`, drops it by ~0)."""
 DEVICE = torch.device("cpu")
 
@@ -268,7 +268,11 @@ def run_cell(
     names = [f"honest-{r}" for r in range(honest)] + [f"attacker-{a}" for a in range(n_attackers)]
     tokens = float(run.outer.inner_steps * run.batch_size * run.seq_len)
     weights = [tokens] * honest + [tokens * (CLAIMED_TOKENS if attack == "heavy-flip" else 1)] * n_attackers
-    probes = ShardBatches(store, run.data_shards - 1, run.data_shards, run.batch_size, run.seq_len, run.seed + 7)
+    probes = (
+        ShardBatches(store, run.data_shards - 1, run.data_shards, run.batch_size, run.seq_len, run.seed + 7)
+        if admission
+        else None
+    )
     losses = []
     for t in range(run.outer.rounds):
         start = [[p.detach().clone() for p in params] for params in members[0].shards]
@@ -280,7 +284,7 @@ def run_cell(
         if attack == "collude":  # both push the first attacker's coordinates
             sent[-1] = sent[-2]
         counted = range(len(sent))
-        if admission:
+        if probes is not None:
             probe = [probes.batch(t * PROBE_BATCHES + k) for k in range(PROBE_BATCHES)]
             counted = loss_admitted(members[0], start, sent, weights, names, probe)
         judge: list[OuterMethod] = members[0].methods
