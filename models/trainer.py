@@ -62,6 +62,22 @@ def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def model_loss(model: nn.Module, x: Tensor, y: Tensor, device: torch.device) -> Tensor:
+    """The mean token cross-entropy of `model` on one batch, under the device's autocast."""
+    with autocast_context(device):
+        logits = model(x)
+    return token_loss(logits, y)
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device) -> float:
+    """Mean cross-entropy of `model` over `batches` in eval mode. Eager: a few batches per evaluation do not repay a
+    second compiled graph."""
+    model.eval()
+    losses = torch.stack([model_loss(model, x.to(device), y.to(device), device) for x, y in batches]).tolist()
+    return sum(losses) / len(losses)
+
+
 class InnerTrainer:
     """AdamW on one module (a whole model or a pipeline stage); `step` counts inner steps for the LR schedule.
 
@@ -108,9 +124,7 @@ class InnerTrainer:
         return self._in_flight is not None
 
     def _eager_loss(self, x: Tensor, y: Tensor) -> Tensor:
-        with autocast_context(self.device):
-            logits = self.model(x)
-        return token_loss(logits, y)
+        return model_loss(self.model, x, y, self.device)
 
     def _forward_backward(self, x: Tensor, y: Tensor, scale: float = 1.0) -> Tensor:
         """The batch's loss, `scale` × its gradients accumulated; falls back to eager (once, for good) if compiling
@@ -188,13 +202,9 @@ class InnerTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[tuple[Tensor, Tensor]]) -> float:
-        """Mean held-out cross-entropy over fixed batches (the same batches every time, so values compare). Eager:
-        a few batches per evaluation do not repay a second compiled graph."""
-        self.model.eval()
-        losses = torch.stack([self._eager_loss(x.to(self.device), y.to(self.device)) for x, y in batches]).tolist()
-        return sum(losses) / len(losses)
+        """Mean held-out cross-entropy over fixed batches (the same batches every time, so values compare)."""
+        return mean_loss(self.model, batches, self.device)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}

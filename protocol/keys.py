@@ -39,6 +39,11 @@ def seals_key(run_id: str, shard: int, round_: int) -> str:
     return f"{run_prefix(run_id)}_seals{shard}_{round_}"
 
 
+def verdicts_key(run_id: str, shard: int, round_: int) -> str:
+    """DHT key of the loss verdicts of one shard's round (subkey: each judge's public key; `protocol/admission.py`)."""
+    return f"{run_prefix(run_id)}_verdicts{shard}_{round_}"
+
+
 def certificates_key(run_id: str, shard: int, round_: int) -> str:
     """DHT key of the certificate of one shard's round as the members that decided it hold it (subkey: each of
     them; `protocol/quorum.py`)."""

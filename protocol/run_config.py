@@ -19,14 +19,15 @@ from typing import Any
 from hetero_node.protocol.errors import ConfigError, require_positive
 from hetero_node.protocol.outer_specs import outer_spec
 
-PROTOCOL_VERSION = 14
-"""Bumped whenever a message layout or an aggregation rule changes (14: a private swarm's records are sealed); part
-of `run_id`."""
+PROTOCOL_VERSION = 15
+"""Bumped whenever a message layout or an aggregation rule changes (15: loss-scored admission's verdicts); part of
+`run_id`."""
 
 MAX_CHUNK = 64
 """Largest chunk side: in-chunk indices must fit the 12 bits of the wire format (64² = 4096)."""
 
 AGGREGATION_RULES = ("mean", "robust")
+ADMISSION_RULES = ("none", "loss")
 DILOCO_WIRE_DTYPES = ("fp32", "fp16")
 ACTIVATION_COMPRESSION = ("subspace", "none", "compress-all")
 BOUNDARY_WIRE_DTYPES = ("bf16", "fp16", "fp32")
@@ -99,6 +100,14 @@ class OuterConfig:
             "A public swarm's bootstrap announces robust unless this is given (or set in --config)."
         },
     )
+    admission: str = field(
+        default="none",
+        metadata={
+            "help": "Which selected messages a round counts: none (all that pass the claims judge and the rule) or "
+            "loss (only those whose step alone lowers the loss of the run's probe data shard, as more than half of "
+            "the round's members judged; needs a sparse --outer, and full replicas for more than half of a group)."
+        },
+    )
     max_contributors: int = field(
         default=8,
         metadata={
@@ -147,6 +156,10 @@ class OuterConfig:
             raise ConfigError(
                 f"--aggregation robust bounds sparse messages; --outer {self.outer} has only the mean rule"
             )
+        if self.admission not in ADMISSION_RULES:
+            raise ConfigError(f"--admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}")
+        if self.admission == "loss" and not method.sparse:
+            raise ConfigError(f"--admission loss scores sparse messages; --outer {self.outer} has only none")
         if self.diloco_wire not in DILOCO_WIRE_DTYPES:
             raise ConfigError(f"--diloco-wire must be one of {', '.join(DILOCO_WIRE_DTYPES)}, got {self.diloco_wire!r}")
         require_positive(self, "inner_steps", "rounds", "stages", "outer_lr", "diloco_lr", "min_inner_steps")
@@ -229,6 +242,16 @@ class RunConfig:
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.outer.admission == "loss" and self.data_shards < 2:
+            raise ConfigError("--admission loss keeps one data shard for probing: --data-shards must be ≥ 2")
+
+    @property
+    def training_shards(self) -> int:
+        """Data shards replicas train on: all but the last under `--admission loss`, whose judges probe that one
+        (`models/data.py: probe_batches`)."""
+        return self.data_shards - 1 if self.outer.admission == "loss" else self.data_shards
 
     @property
     def uses_subspace(self) -> bool:

@@ -21,9 +21,11 @@ def contribute(
     seed: int,
     tokens: list[int] | None = None,
     judges: list[Judge | None] | None = None,
+    deltas: list[list[torch.Tensor]] | None = None,
 ) -> list[ShardOutcome]:
     """One round among `syncs` only (the others are cut off), everyone from `start`; member i claims `tokens[i]`
-    (64 each by default) and judges the others' claims with `judges[i]` (none by default)."""
+    (64 each by default), judges the others' claims with `judges[i]` (none by default) and brings `deltas[i]`
+    (random ones of norm ~1e-2 per coordinate by default, drawn from `seed`)."""
     from hivemind.utils import get_dht_time
 
     names = [s.me for s in syncs]
@@ -32,7 +34,7 @@ def contribute(
     pendings = []
     for i, sync in enumerate(syncs):
         gen = torch.Generator().manual_seed(seed + i)
-        delta = [1e-2 * torch.randn(s, generator=gen) for s in SHAPES]
+        delta = deltas[i] if deltas is not None else [1e-2 * torch.randn(s, generator=gen) for s in SHAPES]
         pending = sync.contribution(round_, start, fingerprint(start), delta, tokens[i])
         sync.begin(pending, coming=names, live=names, scheduled_time=get_dht_time() + 15)
         pendings.append(pending)

@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.runtime import PeerRuntime
-from hetero_node.protocol.keys import certificates_key, roster_key, seals_key
+from hetero_node.protocol.admission import admitted
+from hetero_node.protocol.keys import certificates_key, roster_key, seals_key, verdicts_key
 from hetero_node.protocol.quorum import Certificate
-from hetero_node.protocol.roster import Seal, Vote, decided, split, unanimous, undecidable
+from hetero_node.protocol.roster import Entry, Seal, Vote, decided, split, unanimous, undecidable
 from hetero_node.protocol.round_wire import GroupMeta, parse_certificate
 from hetero_node.protocol.swarm_key import is_member
 
@@ -92,17 +93,49 @@ class RosterRound:
 
     def seals(self) -> dict[str, Seal] | None:
         """Well-formed seals of this round by sealer; None when the DHT did not answer."""
-        found = self.runtime.read_signed(seals_key(self.run_id, self.shard, self.round), READ_TIMEOUT_S)
+        return self._read_seals(seals_key(self.run_id, self.shard, self.round), "seal")
+
+    def judge(self, verdict: Seal) -> None:
+        """Store our loss verdict: the round's entries we admit (`protocol/admission.py`), once."""
+        self.runtime.store_signed(verdicts_key(self.run_id, self.shard, self.round), verdict.to_wire(), LIFETIME_S)
+
+    def verdicts(self) -> dict[str, Seal] | None:
+        """Well-formed loss verdicts of this round by judge; None when the DHT did not answer."""
+        return self._read_seals(verdicts_key(self.run_id, self.shard, self.round), "verdict")
+
+    def _read_seals(self, key: str, kind: str) -> dict[str, Seal] | None:
+        found = self.runtime.read_signed(key, READ_TIMEOUT_S)
         if found is None:
             return None
         seals = {}
         for sealer, raw in found.items():
             seal = Seal.parse(sealer, raw, self.max_size)
             if seal is None or seal.round != self.round or not is_member(self.runtime.swarm_key, sealer, seal.proof):
-                self._leave_out(f"{sealer}'s seal", "malformed, foreign or not a member")
+                self._leave_out(f"{sealer}'s {kind}", "malformed, foreign or not a member")
             else:
                 seals[sealer] = seal
         return seals
+
+    def await_admitted(
+        self, start_fp: str, ours: Seal | None, voters: frozenset[str], candidates: list[Entry], wait_s: float
+    ) -> frozenset[Entry] | None:
+        """The candidates the round's loss verdicts from `start_fp` admit (`protocol/admission.py: admitted`) once
+        they decide every one, read until then or for `wait_s`; `ours`: our own verdict (None: we cast none). None:
+        undecided."""
+        give_up = time.monotonic() + wait_s
+        verdicts: dict[str, Seal] = {}
+        while not self.stop.is_set():
+            verdicts = self.verdicts() or verdicts
+            if ours is not None:
+                verdicts[ours.sealer] = ours
+            result = admitted(verdicts.values(), start_fp, voters, candidates)
+            if result is not None or time.monotonic() >= give_up:
+                if result is None:
+                    logger.info("shard %d round %d: the loss verdicts of %s decide no set", self.shard, self.round,
+                                ", ".join(sorted(v[-6:] for v in verdicts)) or "nobody")  # fmt: skip
+                return result
+            self.stop.wait(POLL_S)
+        return None
 
     def _leave_out(self, what: str, why: str) -> None:
         if what not in self.left_out:

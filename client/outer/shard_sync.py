@@ -58,6 +58,7 @@ from hetero_node.client.outer.reveal import RevealGate
 from hetero_node.client.outer.roster_round import RosterRound, round_certificate
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
+from hetero_node.protocol.admission import loss_admitted
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import (
     contributor_limit,
@@ -83,6 +84,10 @@ MEMBER_FETCH_S = 5.0
 """One try at a lost message from another member of the round: it is small and that member already holds it."""
 VOTES_KEPT = 64
 """Rounds our seals are remembered for: a member comes back at most a few rounds (a round certified late)."""
+
+Drops = Callable[[int, list[Tensor], dict[str, list[Tensor]]], dict[str, float]]
+"""A loss judge (`roles/loss_judge.py`): (round, the shard's θ(t), author → the shard's θ(t+1) from that author's step
+alone) → author → how much that step lowers the probe loss."""
 
 
 class Unreachable(Exception):
@@ -239,6 +244,11 @@ class ShardSync:
         second set."""
         self.reveal = RevealGate(self.roster, lambda: -1 if self.certificate is None else self.certificate.round)
         """Our messages of a round go only to peers that stated theirs, until the round is decided (`reveal.py`)."""
+        self.admits_by_loss = run.outer.admission == "loss"
+        """The round counts only the messages its members' loss verdicts admit (`protocol/admission.py`)."""
+        self.loss_judge: Drops | None = None
+        """How we score a round's messages under `admits_by_loss` (`roles/loss_judge.py`); None: we cannot (a
+        pipeline stage), and take the others' verdicts."""
 
     @property
     def certificate(self) -> Certificate | None:
@@ -519,6 +529,9 @@ class ShardSync:
         peers = {m.name: m.peer_id for m in included}
         try:
             messages, dropped, traffic = self._collect_messages(pending, selected, peers)
+            fetched_at = time.perf_counter()
+            if self.admits_by_loss:
+                messages = self._admit(pending, messages, selected, frozenset(peers), dropped)
         except Unreachable as e:
             logger.warning("shard %d round %d: %s; taking the round's result from the members that got it",
                            self.shard, pending.round, e)  # fmt: skip
@@ -535,9 +548,46 @@ class ShardSync:
         contributed = any(r.name == self.me for r in used)
         deferred = pending.payload is not None and self.me not in chosen
         self._keep_applied(pending, used, pending.payload if deferred else None)
-        phases = {"fetch": outer_started - fetch_started, "outer": time.perf_counter() - outer_started}
+        phases = {"fetch": fetched_at - fetch_started, "outer": time.perf_counter() - outer_started}
+        if self.admits_by_loss:  # scoring the messages and agreeing the verdicts
+            phases["judge"] = outer_started - fetched_at
         return ShardOutcome(new, group_size, len(used), contributed, dropped, traffic.received, deferred,
                             traffic.relayed, phases_s=phases, messages_prefetched=traffic.prefetched)  # fmt: skip
+
+    def _admit(
+        self, pending: PendingRound, messages: list[Received], selected: list[Member], voters: frozenset[str],
+        dropped: list[str],
+    ) -> list[Received]:  # fmt: skip
+        """The `messages` the round's loss verdicts admit (`protocol/admission.py`), after casting ours (once: a
+        restarted member keeps the verdict the DHT holds); `Unreachable` when the verdicts decide no set in time. The
+        others are added to `dropped`."""
+        roster = pending.roster
+        assert roster is not None  # `finish` came here after `begin`
+        sizes = {m.name: m.meta.size for m in selected}
+        entries = {r.name: Entry(r.name, sizes[r.name], r.digest, r.tokens) for r in messages}
+        start_fp = pending.meta.start_fp
+        ours = None
+        earlier = roster.verdicts() if self.resumed_at is not None else {}
+        if earlier and self.me in earlier:
+            ours = earlier[self.me]
+        elif self.loss_judge is not None:
+            steps = {
+                r.name: self.method.update(pending.start, self.method.combine([r.message], [float(r.tokens)], [r.name]))
+                for r in messages
+            }
+            drops = self.loss_judge(pending.round, pending.start, steps)
+            admissible = loss_admitted(drops)
+            logger.info("shard %d round %d: probe loss drops %s", self.shard, pending.round,
+                        ", ".join(f"{a[-6:]} {d:+.4f}" for a, d in sorted(drops.items())))  # fmt: skip
+            ours = Seal(self.me, pending.round, start_fp, tuple(sorted(entries[a] for a in admissible)), self.proof)
+            roster.judge(ours)
+        decided = roster.await_admitted(start_fp, ours, voters, list(entries.values()), self.timeouts.matchmaking_s)
+        if decided is None:
+            raise Unreachable("the round's loss verdicts decided no set in time")
+        for r in messages:
+            if entries[r.name] not in decided:
+                dropped.append(f"{r.name}: its step does not lower the probe loss, as most of the round judged")
+        return [r for r in messages if entries[r.name] in decided]
 
     def _collect_messages(
         self, pending: PendingRound, selected: list[Member], members: dict[str, Any]

@@ -20,6 +20,7 @@ from hetero_node.client.config import NodeConfig, SyncTimeouts
 from hetero_node.client.local.collective import mean_gradients
 from hetero_node.client.local.devices import resolve_devices
 from hetero_node.client.local.group import LocalGroup
+from hetero_node.client.roles.loss_judge import LossJudge
 from hetero_node.client.roles.measured_speed import MeasuredSpeed, save_speed, speed_key
 from hetero_node.client.roles.replica import STEP_STRIDE, Replica, replica_number
 from hetero_node.client.roles.round_record import Trained
@@ -58,6 +59,8 @@ class FullReplica(Replica):
         self.model, self.basis = full_model(run, self.device)
         names = shard_parameter_names(self.model.cfg, run.outer.stages)
         self.params = {s: shard_tensors(self.model, shard_names) for s, shard_names in enumerate(names)}
+        self.judge = LossJudge(self.model, names, store, run) if run.outer.admission == "loss" else None
+        """Scores each round's messages under `--admission loss` (a copy of the model)."""
         compile = compile_wanted(node.compile, self.device)
         self.ranks = LocalGroup(run, devices, compile) if len(devices) > 1 else None
         """The node's other local ranks (`--devices`): this process is rank 0, the one the swarm sees."""
@@ -67,7 +70,7 @@ class FullReplica(Replica):
         )  # fmt: skip
         self.replica_id = replica_number(node, runtime)
         self.batches = ShardBatches(
-            store, self.replica_id % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
+            store, self.replica_id % run.training_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
         )
         self._trainer.warm_up(*self.batches.batch(0))  # compile before the first round, not inside its clock
         self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
@@ -91,6 +94,12 @@ class FullReplica(Replica):
     @property
     def trainer(self) -> InnerTrainer:
         return self._trainer
+
+    def setup(self) -> None:
+        super().setup()
+        if self.judge is not None:
+            for shard, sync in self.syncs.items():
+                sync.loss_judge = self.judge.for_shard(shard, lambda: self.start)
 
     def metrics_header(self) -> dict[str, Any]:
         return {

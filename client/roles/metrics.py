@@ -82,7 +82,8 @@ class RoundRecord:
     phases_s: dict[str, float] = field(default_factory=dict)
     """Where the round's time outside training went, in seconds (the slowest shard's, where a phase is per shard):
     encode (error feedback, top-k, 2-bit coding, serving the message), agree (statements and seals in the DHT, and a
-    heal), fetch (the selected messages), outer (decode, combine, outer step, fingerprint, serving the manifest),
+    heal), fetch (the selected messages), judge (under `--admission loss`: scoring them on the probe batches and
+    agreeing the verdicts), outer (decode, combine, outer step, fingerprint, serving the manifest),
     apply (θ(t+1) into the model, start point, fingerprints, served state), eval, checkpoint. What to profile when
     utilisation is low: `overhead_s` is their sum plus waiting for the slowest member."""
     ended_at: float = 0.0

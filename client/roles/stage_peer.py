@@ -90,7 +90,7 @@ class StagePeer(Replica):
         if self.stage.first:
             self.replica_id = replica_number(node, runtime)
             self.batches = ShardBatches(
-                store, self.replica_id % run.data_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
+                store, self.replica_id % run.training_shards, run.data_shards, run.batch_size, run.seq_len, run.seed
             )
             self.val = val_batches(store, run.batch_size, run.seq_len, node.eval_batches)
 
