@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-soak bench-nat bench-local-ranks sim sim-slow clean
+.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-admission bench-soak bench-nat bench-local-ranks sim sim-slow clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -156,6 +156,10 @@ bench-poison: venv
 # Record-only identities (4,097 and 10^5, ids ground low) against an honest node's view and votes (one process, ~60 s).
 bench-sybil: venv
 	$(BIN)/hetero-node-lab sybil --out bench/results/sybil
+
+# ~4 min: real swarms with and without a negating replica, with and without --admission loss
+bench-admission: venv data
+	$(BIN)/hetero-node-lab admission --out bench/results/admission
 
 # One hour of a fault-free local swarm on 50 Mbit/s links (root; --link-mbit 0: loopback): RSS, fds, threads per
 # peer, and what is left after SIGTERM.

@@ -34,12 +34,14 @@ from rich.progress import Progress
 from hetero_node.bench.config import ByzantineConfig
 from hetero_node.bench.results import write_report
 from hetero_node.models.config import get_preset
-from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, val_batches
+from hetero_node.models.data import ShardBatches, TokenStore, build_token_store, probe_batches, val_batches
 from hetero_node.models.paths import default_cache_dir
 from hetero_node.models.shards import shard_parameter_names, shard_tensors
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
+from hetero_node.protocol.admission import PROBE_BATCHES
+from hetero_node.protocol.admission import loss_admitted as admitted_by_loss
 from hetero_node.protocol.aggregation import aggregate, contribution_norm, peak_value
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import OuterConfig, RunConfig
@@ -57,11 +59,6 @@ CLAIMED_TOKENS = 2**40
 """`heavy-flip`: how many times an honest replica's tokens the attacker claims to have trained (the review's claim;
 the lab has no records, so the nodes' bound by advertised speed, `protocol/claims.py`, does not apply here)."""
 LOSS_ADMISSION = "+loss"
-PROBE_BATCHES = 4
-"""Batches a `+loss` judge scores each member's step on, fresh ones each round (as many as an evaluation's)."""
-LOSS_FLOOR = 0.25
-"""`+loss` admission: a member counts if its step alone lowers the probe batches' loss by more than 0 and by at least
-this share of the median member's drop (a member that agrees and adds nothing, `dilute`, drops it by ~0)."""
 DEVICE = torch.device("cpu")
 
 
@@ -240,21 +237,20 @@ def loss_admitted(
     judge: Member, start: list[list[torch.Tensor]], sent: list[list[SparseMessage]], weights: list[float],
     names: list[str], probe: list[Any],
 ) -> list[int]:  # fmt: skip
-    """Which members a Gauntlet-style judge admits: the loss of `probe` (batches from a data shard nobody trains on)
-    before and after the outer step each member's messages make alone, under the judge's rule; those whose step
-    lowers it by more than 0 and by at least `LOSS_FLOOR` × the median drop. Leaves the judge's weights at θ(t).
-    (A node cannot rely on this as is: members on different hardware compute losses that differ in the last bits,
-    and a verdict near the floor would then split the group.)"""
+    """Which members a Gauntlet-style judge admits (`protocol/admission.py: loss_admitted`, the nodes' rule under
+    `--admission loss`): the loss of `probe` (batches from the data shard nobody trains on) before and after the
+    outer step each member's messages make alone, under the judge's rule. Leaves the judge's weights at θ(t). One
+    judge: the nodes agree their judges' verdicts, which the lab's single process does not need."""
     judge.set_params(start)  # it holds its own trained weights until the round's end
     before = judge.trainer.evaluate(probe)
-    drops = []
+    drops = {}
     for i, msgs in enumerate(sent):
         judge.set_params([m.update(start[s], m.combine([msgs[s]], [weights[i]], [names[i]]))
                           for s, m in enumerate(judge.methods)])  # fmt: skip
-        drops.append(before - judge.trainer.evaluate(probe))
+        drops[names[i]] = before - judge.trainer.evaluate(probe)
     judge.set_params(start)
-    floor = LOSS_FLOOR * statistics.median(drops)
-    return [i for i, drop in enumerate(drops) if drop > 0 and drop >= floor]
+    admissible = admitted_by_loss(drops)
+    return [i for i, name in enumerate(names) if name in admissible]
 
 
 def run_cell(
@@ -268,11 +264,6 @@ def run_cell(
     names = [f"honest-{r}" for r in range(honest)] + [f"attacker-{a}" for a in range(n_attackers)]
     tokens = float(run.outer.inner_steps * run.batch_size * run.seq_len)
     weights = [tokens] * honest + [tokens * (CLAIMED_TOKENS if attack == "heavy-flip" else 1)] * n_attackers
-    probes = (
-        ShardBatches(store, run.data_shards - 1, run.data_shards, run.batch_size, run.seq_len, run.seed + 7)
-        if admission
-        else None
-    )
     losses = []
     for t in range(run.outer.rounds):
         start = [[p.detach().clone() for p in params] for params in members[0].shards]
@@ -284,8 +275,8 @@ def run_cell(
         if attack == "collude":  # both push the first attacker's coordinates
             sent[-1] = sent[-2]
         counted = range(len(sent))
-        if probes is not None:
-            probe = [probes.batch(t * PROBE_BATCHES + k) for k in range(PROBE_BATCHES)]
+        if admission:
+            probe = probe_batches(store, run.data_shards, run.batch_size, run.seq_len, run.seed, t, PROBE_BATCHES)
             counted = loss_admitted(members[0], start, sent, weights, names, probe)
         judge: list[OuterMethod] = members[0].methods
         new = []

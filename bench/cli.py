@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from hetero_node.bench.config import (
+    AdmissionConfig,
     AgreementConfig,
     BenchConfig,
     ByzantineConfig,
@@ -133,6 +134,16 @@ def bench_poison(cfg: PoisonConfig) -> None:
     from hetero_node.bench.poison import render_markdown, run_poison
 
     run_with_progress(run_poison, render_markdown, cfg)
+
+
+@lab.command("admission")
+@expand_dataclass_options
+def bench_admission(cfg: AdmissionConfig) -> None:
+    """Loss-scored admission in real swarms: two honest full replicas with or without a negating one, under each
+    rule with and without --admission loss (loopback, about 40 s a cell); report.json/.md under --out."""
+    from hetero_node.bench.admission import render_markdown, run_admission
+
+    run_with_progress(run_admission, render_markdown, cfg)
 
 
 @lab.command("sybil")

@@ -317,6 +317,37 @@ class PoisonConfig:
         return tuple(s.strip() for s in self.scenarios.split(",") if s.strip())
 
 
+ADMISSION_RULES = ("mean", "robust", "mean+loss", "robust+loss")
+ADMISSION_ATTACKS = ("none", "negate")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Which (attack, rule) cells of real swarms to run (`bench/admission.py`): 2 honest full replicas, with or
+    without a negating one, on loopback; each cell about 40 s on 2 cores."""
+
+    cells: str = field(
+        default="none:mean,negate:mean,none:robust,negate:robust,none:mean+loss,negate:mean+loss",
+        metadata={
+            "help": f"Comma-separated attack:rule cells; attacks {', '.join(ADMISSION_ATTACKS)}, rules "
+            f"{', '.join(ADMISSION_RULES)} (+loss: --admission loss)."
+        },
+    )
+    rounds: int = field(default=8, metadata={"help": "Outer rounds per swarm."})
+    inner_steps: int = field(default=8, metadata={"help": "H: every replica trains exactly this many steps a round."})
+    out: Path = field(default=Path("bench/results/admission"), metadata={"help": "Results directory."})
+
+    def __post_init__(self) -> None:
+        require_positive(self, "rounds", "inner_steps")
+        pairs = [c.split(":") for c in self.cell_list]
+        if not pairs or any(len(p) != 2 or p[0] not in ADMISSION_ATTACKS or p[1] not in ADMISSION_RULES for p in pairs):
+            raise ConfigError(f"--cells {self.cells!r}: give attack:rule pairs, e.g. negate:mean+loss")
+
+    @property
+    def cell_list(self) -> tuple[str, ...]:
+        return tuple(c.strip() for c in self.cells.split(",") if c.strip())
+
+
 @dataclass(frozen=True)
 class SybilConfig:
     """How many record-only identities flood the run's records (`bench/sybil.py`); in one process, seconds."""
