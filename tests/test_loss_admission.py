@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from shard_rounds import SHAPES, contribute
 
 from hetero_node.bench.poison import swarm
 from hetero_node.client.config import SyncTimeouts
-from hetero_node.client.outer.shard_sync import Drops, ShardSync
+from hetero_node.client.outer.shard_sync import Drops, Member, PendingRound, Received, ShardSync
 from hetero_node.client.roles.loss_judge import LossJudge
 from hetero_node.models.data import ShardBatches, TokenStore, data_shard, probe_batches
 from hetero_node.models.replica_model import full_model
@@ -23,6 +24,7 @@ from hetero_node.models.trainer import InnerTrainer
 from hetero_node.protocol.admission import admitted, loss_admitted
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.roster import Entry, Seal
+from hetero_node.protocol.round_wire import GroupMeta
 from hetero_node.protocol.run_config import OuterConfig
 
 FP = "ab" * 16
@@ -177,3 +179,31 @@ def test_the_judges_leave_a_step_that_raises_the_loss_out_and_every_member_appli
         steps = [_towards(after, target, 0.5, 30 + i) for i in range(4)]
         undecided = contribute(syncs, 3, after, seed=300, deltas=steps)
         assert all(o.new_tensors is None for o in undecided)
+
+
+@pytest.mark.multipeer
+@pytest.mark.timeout(120)
+def test_a_restarted_judge_keeps_the_verdict_it_cast_before_the_restart() -> None:
+    with swarm(1) as runtimes:
+        run = run_config(outer=OuterConfig(admission="loss"))
+        sync = ShardSync(runtimes[0], run, 0, SHAPES, SyncTimeouts(matchmaking_s=3.0), threading.Event())
+        sync.loss_judge = lambda round_, start, candidates: dict.fromkeys(candidates, 1.0)  # admits everyone
+        start = [torch.full(s, 0.25) for s in SHAPES]
+        payload = sync.method.encode([1e-2 * torch.ones(s) for s in SHAPES]).payload
+        message = sync.method.decode(payload)
+        metas = {a: GroupMeta(3, FP, len(payload), d * 16, 64, "") for a, d in (("alice", "aa"), ("bob", "bb"))}
+        members = [Member(a, None, meta) for a, meta in metas.items()]
+
+        def admit(round_: int) -> list[str]:
+            pending = PendingRound(round_, start, GroupMeta(round_, FP, 0, "", 0, ""), None, roster=sync.roster(round_))
+            received = [Received(a, message, 64, meta.digest) for a, meta in metas.items()]
+            return [r.name for r in sync._admit(pending, received, members, frozenset({sync.me}), [])]
+
+        assert admit(3) == ["alice", "bob"]  # a judge that never restarted judges
+        alice = Entry("alice", len(payload), "aa" * 16, 64)
+        sync.roster(4).judge(Seal(sync.me, 4, FP, (alice,), ""))  # its vote of round 4, cast before a restart
+        while not (sync.roster(4).verdicts() or {}):
+            time.sleep(0.1)
+        sync.resumed_at = 4
+        assert admit(4) == ["alice"]  # the vote stands: judging again could count two verdicts of one member
+        assert sync.roster(4).verdicts() == {sync.me: Seal(sync.me, 4, FP, (alice,), "")}

@@ -74,6 +74,10 @@ class StagePeer(Replica):
     ) -> None:
         super().__init__(run, node, timeouts, runtime, membership, overlap=False)
         self.vr, self.index = membership.slot
+        if run.outer.admission == "loss":
+            logger.warning("this run counts only messages its full replicas admit by loss (--admission loss); a "
+                           "pipeline stage cannot score a step alone and casts no verdict, so a shard group decides "
+                           "its rounds only while full replicas are more than half of it")  # fmt: skip
         self.stage = PipelineStage(run, self.index, resolve_device(node.device))
         cfg = get_preset(run.preset, vocab_size=run.vocab_size)
         names = shard_parameter_names(cfg, run.outer.stages)[self.index]
