@@ -41,15 +41,18 @@ def training_memory_bytes(
 
 
 def full_and_stage_memory(
-    cfg: ModelConfig, batch_size: int, seq_len: int, stages: int, subspace: bool = False
+    cfg: ModelConfig, batch_size: int, seq_len: int, stages: int, subspace: bool = False, judge: bool = False
 ) -> tuple[int, list[int]]:
     """(bytes to train the whole model, bytes to train each pipeline stage: a stage before the last keeps
     `BATCHES_IN_FLIGHT` batches' activations; the last computes each microbatch's loss and gradient at once, and one
     batch's bound it). In a `subspace` run every peer also
     holds the fixed table T_fixed on its device (fp32 vocab × d, a buffer outside the optimizer). Stages without the
-    embedding keep a copy of E_S of the same size too, in host RAM, not counted here: this is the device's budget."""
+    embedding keep a copy of E_S of the same size too, in host RAM, not counted here: this is the device's budget.
+    A full replica that `judge`s messages (`--admission loss`) keeps a second fp32 copy of the model to score with."""
     table = int(HEADROOM * 4 * cfg.vocab_size * cfg.d_model) if subspace else 0
     full = training_memory_bytes(cfg, batch_size, seq_len, range(cfg.n_layers), True, True) + table
+    if judge:
+        full += int(HEADROOM * 4 * parameter_count(cfg, range(cfg.n_layers), True, True)) + table
     per_stage = [  # a stage before the last holds the activations of every microbatch in flight
         training_memory_bytes(cfg, batch_size * (1 if last else BATCHES_IN_FLIGHT), seq_len, layers, s == 0, last)
         + table

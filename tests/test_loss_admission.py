@@ -135,7 +135,8 @@ def test_the_judges_leave_a_step_that_raises_the_loss_out_and_every_member_appli
     with swarm(4) as runtimes:
         stop = threading.Event()
         run = run_config(outer=OuterConfig(admission="loss"))
-        syncs = [ShardSync(r, run, 0, SHAPES, SyncTimeouts(matchmaking_s=5.0), stop) for r in runtimes]
+        timeouts = SyncTimeouts(matchmaking_s=5.0, fetch_timeout_s=5.0)
+        syncs = [ShardSync(r, run, 0, SHAPES, timeouts, stop) for r in runtimes]
         start = [torch.full(s, 0.25) for s in SHAPES]
         target = [torch.zeros(s) for s in SHAPES]
         judge = _quadratic_judge(target)

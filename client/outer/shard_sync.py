@@ -581,7 +581,9 @@ class ShardSync:
                         ", ".join(f"{a[-6:]} {d:+.4f}" for a, d in sorted(drops.items())))  # fmt: skip
             ours = Seal(self.me, pending.round, start_fp, tuple(sorted(entries[a] for a in admissible)), self.proof)
             roster.judge(ours)
-        decided = roster.await_admitted(start_fp, ours, voters, list(entries.values()), self.timeouts.matchmaking_s)
+        # the others judge once their last message is in, which may be up to the fetch deadline after ours
+        wait_s = self.timeouts.fetch_timeout_s
+        decided = roster.await_admitted(start_fp, ours, voters, list(entries.values()), wait_s)
         if decided is None:
             raise Unreachable("the round's loss verdicts decided no set in time")
         for r in messages:

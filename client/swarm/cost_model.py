@@ -123,7 +123,8 @@ def _shape(run: RunConfig) -> RunShape:
     method = outer_spec(run.outer.outer)
     cfg = get_preset(run.preset, vocab_size=run.vocab_size)
     stages, micro = run.outer.stages, min(run.pipeline.microbatches, run.batch_size)
-    full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, stages, run.uses_subspace)
+    judge = run.outer.admission == "loss"
+    full, per_stage = full_and_stage_memory(cfg, run.batch_size, run.seq_len, stages, run.uses_subspace, judge)
     with on_meta():
         model = Transformer(cfg)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
