@@ -321,6 +321,8 @@ def test_a_public_swarm_aggregates_robustly_unless_its_operator_chose_a_rule_or_
     assert public_swarm_rule(default, chosen=False, private=True).aggregation == "mean"  # members hold the key
     diloco = OuterConfig(outer="diloco")
     assert public_swarm_rule(diloco, chosen=False, private=False) == diloco  # DiLoCo has the mean rule only
+    judged = OuterConfig(admission="loss")
+    assert public_swarm_rule(judged, chosen=False, private=False).aggregation == "mean"  # the judges guard it
 
 
 def test_compress_all_makes_every_node_a_stage_and_one_stage_runs_have_none() -> None:

@@ -164,7 +164,8 @@ def bootstrap(
     console.print(f"bootstrap peer id: {node.dht.peer_id}", markup=False, highlight=False)
     console.print(
         f"run {run.run_id}: {run.preset}, {run.outer.stages} stages, H={run.outer.inner_steps}, "
-        f"{run.outer.aggregation} aggregation{default}", markup=False,
+        f"{run.outer.aggregation} aggregation{default}"
+        f"{', loss-scored admission' if run.outer.admission == 'loss' else ''}", markup=False,
     )  # fmt: skip
     console.print("volunteers join with:", markup=False)
     console.print(f"  {join_line(node.join_addresses[0])}", markup=False, highlight=False, soft_wrap=True)

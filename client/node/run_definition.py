@@ -81,8 +81,11 @@ def public_swarm_rule(outer: OuterConfig, chosen: bool, private: bool) -> OuterC
     one row of the output head take `tiny` from 2.35 to 6.17 in six rounds; the robust rule leaves it out), the mean
     rule in a private one, whose members hold the swarm key (robust costs honest replicas much of their step: four of
     them made about half the mean rule's loss decrease in 12 lab rounds; bench/README.md, *Liars with well-formed
-    messages*). DiLoCo has the mean rule only."""
-    if chosen or private or not outer_spec(outer.outer).sparse or outer.aggregation == "robust":
+    messages*). DiLoCo has the mean rule only. Under `--admission loss` the mean rule stays: the judges leave out
+    the steps that raise the probe loss, and robust's price for honest replicas would stay too (bench/README.md,
+    *Loss-scored admission in real swarms*)."""
+    sparse = outer_spec(outer.outer).sparse
+    if chosen or private or not sparse or outer.aggregation == "robust" or outer.admission == "loss":
         return outer
     return dataclasses.replace(outer, aggregation="robust")
 
