@@ -157,7 +157,7 @@ bench-poison: venv
 bench-sybil: venv
 	$(BIN)/hetero-node-lab sybil --out bench/results/sybil
 
-# ~4 min: real swarms with and without a negating replica, with and without --admission loss
+# ~3 min: real swarms with and without a negating replica, with and without --admission loss
 bench-admission: venv data
 	$(BIN)/hetero-node-lab admission --out bench/results/admission
 

@@ -79,13 +79,21 @@ def run_cell(cfg: AdmissionConfig, attack: str, rule: str, workdir: Path) -> dic
                 raise RuntimeError(f"r{i} exited with {code}: {swarm.log_path(f'r{i}').read_text()[-2000:]}")
     header, _ = read_metrics(workdir / "r0.jsonl")
     records = [{r["round"]: r for r in read_metrics(workdir / f"r{i}.jsonl")[1]} for i in range(HONEST)]
-    return summarise(attack, rule, RunConfig.from_dict(header["run"]), records, range(cfg.rounds))
+    attacker = read_metrics(workdir / f"r{HONEST}.jsonl")[0]["peer_id"] if attack == "negate" else None
+    return summarise(attack, rule, RunConfig.from_dict(header["run"]), records, range(cfg.rounds), attacker)
 
 
 def summarise(
-    attack: str, rule: str, run: RunConfig, records: list[dict[int, dict[str, Any]]], rounds: range
+    attack: str,
+    rule: str,
+    run: RunConfig,
+    records: list[dict[int, dict[str, Any]]],
+    rounds: range,
+    attacker: str | None = None,
 ) -> dict[str, Any]:
-    """A cell's figures from its honest replicas' records (every round's eval loss from whichever evaluated it)."""
+    """A cell's figures from its honest replicas' records (every round's eval loss from whichever evaluated it);
+    `attacker`: the negating peer's id. Per record (a replica's round, both shards): the attacker was counted if it
+    was in the group and no shard dropped it, refused if a shard's loss verdicts did."""
     curve = [start_loss(run)]
     for t in rounds:
         losses = [r[t]["eval_loss"] for r in records if t in r and r[t]["eval_loss"] is not None]
@@ -93,16 +101,17 @@ def summarise(
             raise RuntimeError(f"no honest replica evaluated round {t}")
         curve.append(losses[0])
     mine = [r[t] for r in records for t in rounds if t in r]
-    counted = [r for r in mine if r["group_size"] > HONEST and r["contributors"] > 0]
+    attacked = [r for r in mine if attacker is not None and r["group_size"] > HONEST and r["contributors"] > 0]
+    named = [[d for d in r["dropped"] if attacker is not None and d.startswith(attacker)] for r in attacked]
     return {
         "attack": attack,
         "rule": rule,
         "curves": [curve],
         "finals": [curve[-1]],
         "agree": all(agreed(records, t) for t in rounds),
-        "attacked_rounds": len(counted),
-        "attacker_counted": sum(r["contributors"] > HONEST for r in counted),
-        "attacker_refused": sum(any(REFUSED in d for d in r["dropped"]) for r in counted),
+        "attacked_rounds": len(attacked),
+        "attacker_counted": sum(not reasons for reasons in named),
+        "attacker_refused": sum(any(REFUSED in d for d in reasons) for reasons in named),
         "judge_s": statistics.fmean(r["phases_s"].get("judge", 0.0) for r in mine) if mine else 0.0,
         "overhead_s": statistics.fmean(r["overhead_s"] for r in mine) if mine else 0.0,
     }
@@ -140,8 +149,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     often the attacker was counted or refused, and what judging cost."""
     clean = {c["rule"]: c for c in report["cells"] if c["attack"] == "none"}
     lines = [
-        "| attack | rule | eval loss | progress kept | worst round | attacker counted / refused (rounds) | judge s | "
-        "overhead s | replicas agree |",
+        "| attack | rule | eval loss | progress kept | worst round | attacker counted / refused (replica-rounds in a "
+        "group with it) | judge s | overhead s | replicas agree |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report["cells"]:

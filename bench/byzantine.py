@@ -8,8 +8,8 @@ encode Δ with the run's `OuterMethod` per parameter shard (error feedback, top-
 bytes, and every member's θ(t+1) is `combine` + `update` of those messages, as in a group. Attackers are members
 whose message is crafted (see `BYZANTINE_ATTACKS` in `bench.config`); it always passes `validate_message`.
 
-A rule may carry `+loss`: Gauntlet-style admission (templar's LossScore) before it combines, measured here and not
-in the nodes (`loss_admitted`).
+A rule may carry `+loss`: Gauntlet-style admission (templar's LossScore) before it combines, by the nodes' rule
+under `--admission loss` (`judge_members`; one judge here: the nodes agree their judges' verdicts).
 
 A cell is (rule, honest group size, attack); its figure is the honest replicas' eval loss after the last round,
 compared with the same rule's run without the attacker (the loss impact) and with the mean rule's clean run (the
@@ -40,8 +40,7 @@ from hetero_node.models.shards import shard_parameter_names, shard_tensors
 from hetero_node.models.tokenizer import load_tokenizer
 from hetero_node.models.trainer import InnerTrainer
 from hetero_node.models.transformer import Transformer
-from hetero_node.protocol.admission import PROBE_BATCHES
-from hetero_node.protocol.admission import loss_admitted as admitted_by_loss
+from hetero_node.protocol.admission import PROBE_BATCHES, loss_admitted
 from hetero_node.protocol.aggregation import aggregate, contribution_norm, peak_value
 from hetero_node.protocol.outer_methods import OuterMethod, outer_method
 from hetero_node.protocol.run_config import OuterConfig, RunConfig
@@ -233,7 +232,7 @@ def warm_start(run: RunConfig, store: TokenStore, steps: int, total_steps: int) 
     return WarmStart(trainer, shard_parameter_names(preset, run.outer.stages))
 
 
-def loss_admitted(
+def judge_members(
     judge: Member, start: list[list[torch.Tensor]], sent: list[list[SparseMessage]], weights: list[float],
     names: list[str], probe: list[Any],
 ) -> list[int]:  # fmt: skip
@@ -249,7 +248,7 @@ def loss_admitted(
                           for s, m in enumerate(judge.methods)])  # fmt: skip
         drops[names[i]] = before - judge.trainer.evaluate(probe)
     judge.set_params(start)
-    admissible = admitted_by_loss(drops)
+    admissible = loss_admitted(drops)
     return [i for i, name in enumerate(names) if name in admissible]
 
 
@@ -258,7 +257,7 @@ def run_cell(
     on_round: Callable[[], None], admission: bool = False,
 ) -> list[float]:  # fmt: skip
     """Eval loss of the honest replicas after each round of one (rule, group, attack) run; `admission`: the rule's
-    `+loss` (`loss_admitted`)."""
+    `+loss` (`judge_members`)."""
     n_attackers = 0 if attack is None else 2 if attack == "collude" else 1
     members = [Member(run, store, warm, r) for r in range(honest + n_attackers)]
     names = [f"honest-{r}" for r in range(honest)] + [f"attacker-{a}" for a in range(n_attackers)]
@@ -277,7 +276,7 @@ def run_cell(
         counted = range(len(sent))
         if admission:
             probe = probe_batches(store, run.data_shards, run.batch_size, run.seq_len, run.seed, t, PROBE_BATCHES)
-            counted = loss_admitted(members[0], start, sent, weights, names, probe)
+            counted = judge_members(members[0], start, sent, weights, names, probe)
         judge: list[OuterMethod] = members[0].methods
         new = []
         for s, method in enumerate(judge):

@@ -368,13 +368,13 @@ class ShardBatches:
 
 
 def probe_batches(
-    store: TokenStore, data_shards: int, batch_size: int, seq_len: int, seed: int, round_: int, count: int
+    store: TokenStore, data_shards: int, batch_size: int, seq_len: int, seed: int, draw: int, count: int
 ) -> list[Batch]:
-    """The `count` batches every judge of round `round_` scores messages on under `--admission loss`: from the last
-    data shard, which no replica trains on then (`RunConfig.training_shards`), fresh each round and the same for every
-    judge (`protocol/admission.py`)."""
+    """The `count` batches judges score messages on under `--admission loss`: from the last data shard, which no
+    replica trains on then (`RunConfig.training_shards`), chosen by `draw` (a round's `protocol/admission.py:
+    probe_draw`, the same for every judge of it)."""
     stream = ShardBatches(store, data_shards - 1, data_shards, batch_size, seq_len, seed + 7)
-    return [stream.batch(round_ * count + k) for k in range(count)]
+    return [stream.batch(draw * count + k) for k in range(count)]
 
 
 def val_batches(store: TokenStore, batch_size: int, seq_len: int, n_batches: int) -> list[Batch]:

@@ -6,8 +6,9 @@ does. A member that negates the honest step at the rule's full allowance passes 
 `bench/byzantine.py`). Gauntlet-style admission (templar's LossScore) looks at the effect instead: after a round's
 messages are fetched and verified, each member that can evaluate the whole model (a full replica) applies each
 selected message's outer step alone to θ(t) and scores it on `PROBE_BATCHES` batches of the run's probe data shard,
-which no replica trains on (`models/data.py: probe_batches`). A message is admissible if its step lowers the probe
-loss by more than 0 and by at least `LOSS_FLOOR` × the median message's drop (`loss_admitted`).
+which no replica trains on (`models/data.py: probe_batches`), drawn by the candidates' digests (`probe_draw`). A
+message is admissible if its step lowers the probe loss by more than 0 and by at least `LOSS_FLOOR` × the median
+message's drop (`loss_admitted`).
 
 A loss computed on another device (CPU and GPU, two GPU models) differs in the last bits, and a drop near the floor
 can pass on one member and fail on the next: members that combined what they each judged would fork. So the
@@ -22,11 +23,14 @@ casts no verdict and counts as not heard from: its group decides only while full
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from collections.abc import Iterable, Mapping
 
 from hetero_node.protocol.roster import Entry, Seal, ballots
+
+PROBE_DRAW_BITS = 62
 
 PROBE_BATCHES = 4
 """Batches a judge scores each message's step on, fresh ones each round (as many as an evaluation's)."""
@@ -51,6 +55,7 @@ def admitted(
     """The `candidates` more than half of `voters` admitted, once each candidate is in or out (`roster.standing`'s
     rule: out once its admissions plus the voters not heard from are at most half); None while one is undecided.
     A verdict from outside `voters`, or from another start, admits nothing."""
+    # `roster.standing`'s rule, over the candidates given: one no verdict read yet lists is pending, not out
     votes = ballots(verdicts, start_fp, voters)
     unheard = len(voters) - len(votes)
     chosen = set()
@@ -61,3 +66,11 @@ def admitted(
         elif 2 * (yes + unheard) > len(voters):
             return None
     return frozenset(chosen)
+
+
+def probe_draw(candidates: Iterable[Entry]) -> int:
+    """Which probe batches a round's judges score on: a hash of the candidates' digests, the same for every judge and
+    unknown to any author until every candidate's message was committed (the probe shard is public; its batches of
+    a round are not known in advance)."""
+    digests = "".join(sorted(e.digest for e in candidates)).encode()
+    return int.from_bytes(hashlib.blake2b(digests, digest_size=8).digest(), "little") >> (64 - PROBE_DRAW_BITS)

@@ -21,7 +21,7 @@ from hetero_node.models.data import ShardBatches, TokenStore, data_shard, probe_
 from hetero_node.models.replica_model import full_model
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
 from hetero_node.models.trainer import InnerTrainer
-from hetero_node.protocol.admission import admitted, loss_admitted
+from hetero_node.protocol.admission import admitted, loss_admitted, probe_draw
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.roster import Entry, Seal
 from hetero_node.protocol.round_wire import GroupMeta
@@ -78,6 +78,12 @@ def test_loss_admission_keeps_the_last_data_shard_for_probing_and_needs_a_sparse
     assert run.run_id != run_config().run_id  # peers that disagree on it never share a round
 
 
+def test_the_probe_draw_is_the_same_for_every_judge_and_unknown_until_every_message_is_committed() -> None:
+    a, b = Entry("a", 10, "01" * 16, 64), Entry("b", 10, "02" * 16, 64)
+    assert probe_draw([a, b]) == probe_draw([b, a]) >= 0
+    assert probe_draw([a, b]) != probe_draw([a, Entry("b", 10, "03" * 16, 64)])  # another message: other batches
+
+
 def test_probe_batches_come_from_the_shard_no_replica_trains_on_and_are_the_same_for_every_judge() -> None:
     store = TokenStore(np.arange(160_000) % 256, np.arange(5_000) % 256, 256, "test")
     run = run_config(outer=OuterConfig(admission="loss"))
@@ -85,7 +91,7 @@ def test_probe_batches_come_from_the_shard_no_replica_trains_on_and_are_the_same
     probe = probe_batches(store, run.data_shards, run.batch_size, run.seq_len, run.seed, 5, 4)
     again = probe_batches(store, run.data_shards, run.batch_size, run.seq_len, run.seed, 5, 4)
     assert len(probe) == 4 and all(torch.equal(x, y) for (x, _), (y, _) in zip(probe, again, strict=True))
-    assert not torch.equal(probe[0][0], probe_batches(store, 16, 8, 64, 0, 6, 4)[0][0])  # fresh each round
+    assert not torch.equal(probe[0][0], probe_batches(store, 16, 8, 64, 0, 6, 4)[0][0])  # another draw
     trained = {replica % run.training_shards for replica in range(64)}
     assert run.data_shards - 1 not in trained
     shard = ShardBatches(store, 0, run.data_shards, run.batch_size, run.seq_len, run.seed)
@@ -107,7 +113,7 @@ def test_a_full_replicas_judge_scores_a_trained_step_above_its_negation_and_leav
         trainer.train_step(*batches.batch(step))
     moved = [p.detach() for p in shard_tensors(trained, names[1])]
     negated = [2 * s - m for s, m in zip(start[1], moved, strict=True)]
-    drops = judge.for_shard(1, lambda: start)(0, start[1], {"trained": moved, "negated": negated})
+    drops = judge.for_shard(1, lambda: start)(0, start[1], iter([("trained", moved), ("negated", negated)]))
     assert drops["trained"] > 0 > drops["negated"]
     assert loss_admitted(drops) == {"trained"}
     assert all(torch.equal(p, s) for p, s in zip(shard_tensors(model, names[1]), start[1], strict=True))
@@ -120,7 +126,11 @@ def _quadratic_judge(target: list[torch.Tensor]) -> Drops:
     def loss(tensors: list[torch.Tensor]) -> float:
         return sum(float(((t - g) ** 2).sum()) for t, g in zip(tensors, target, strict=True))
 
-    return lambda round_, start, candidates: {a: loss(start) - loss(new) for a, new in candidates.items()}
+    return lambda draw, start, candidates: {a: loss(start) - loss(new) for a, new in candidates}
+
+
+def _failing(draw: int, start: list[torch.Tensor], candidates: object) -> dict[str, float]:
+    raise torch.OutOfMemoryError("CUDA out of memory (the judge's copy did not fit)")
 
 
 def _towards(start: list[torch.Tensor], target: list[torch.Tensor], share: float, seed: int) -> list[torch.Tensor]:
@@ -150,16 +160,18 @@ def test_the_judges_leave_a_step_that_raises_the_loss_out_and_every_member_appli
         assert theta is not None and len({fingerprint(o.new_tensors) for o in round0 if o.new_tensors}) == 1
 
         # round 1: member 2 negates the others' step at 6× their size, and its own judge admits everything
-        syncs[2].loss_judge = lambda round_, start, candidates: dict.fromkeys(candidates, 1.0)
+        syncs[2].loss_judge = lambda draw, start, candidates: {a: 1.0 for a, _ in candidates}
+        syncs[3].loss_judge = _failing  # a judge that fails casts no verdict: the others still decide
         deltas = [_towards(theta, target, 0.5, seed=10 + i) for i in range(4)]
         deltas[2] = _towards(theta, target, -3.0, seed=12)
         round1 = contribute(syncs, 1, theta, seed=100, deltas=deltas)
         assert [o.contributors for o in round1] == [3, 3, 3, 3]
         assert [o.contributed for o in round1] == [True, True, False, True]
+        assert [o.deferred for o in round1] == [False, False, True, False]  # a refused Δ stays owed, not lost
         assert all(any(syncs[2].me in reason for reason in o.dropped) for o in round1)
         assert len({fingerprint(o.new_tensors) for o in round1 if o.new_tensors is not None}) == 1
         new = round1[0].new_tensors
-        assert new is not None and judge(1, theta, {"x": new})["x"] > 0  # the honest step lowered the loss
+        assert new is not None and judge(1, theta, [("x", new)])["x"] > 0  # the honest step lowered the loss
         verdicts = syncs[0].roster(1).verdicts()
         assert verdicts is not None and set(verdicts) == {s.me for s in syncs[:3]}  # one each; none from the 4th
 
@@ -170,7 +182,7 @@ def test_the_judges_leave_a_step_that_raises_the_loss_out_and_every_member_appli
                               + [_towards(new, target, -3.0, 22), _towards(new, target, 0.5, 23)])  # fmt: skip
         assert [o.contributors for o in unjudged] == [4, 4, 4, 4]
         after = unjudged[0].new_tensors
-        assert after is not None and judge(2, new, {"x": after})["x"] < 0
+        assert after is not None and judge(2, new, [("x", after)])["x"] < 0
 
         # too few judges to decide (one of four): nobody applies a set of its own, so no member forks
         for sync in syncs:
@@ -188,7 +200,7 @@ def test_a_restarted_judge_keeps_the_verdict_it_cast_before_the_restart() -> Non
     with swarm(1) as runtimes:
         run = run_config(outer=OuterConfig(admission="loss"))
         sync = ShardSync(runtimes[0], run, 0, SHAPES, SyncTimeouts(matchmaking_s=3.0), threading.Event())
-        sync.loss_judge = lambda round_, start, candidates: dict.fromkeys(candidates, 1.0)  # admits everyone
+        sync.loss_judge = lambda draw, start, candidates: {a: 1.0 for a, _ in candidates}  # admits everyone
         start = [torch.full(s, 0.25) for s in SHAPES]
         payload = sync.method.encode([1e-2 * torch.ones(s) for s in SHAPES]).payload
         message = sync.method.decode(payload)

@@ -45,7 +45,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -58,7 +58,7 @@ from hetero_node.client.outer.reveal import RevealGate
 from hetero_node.client.outer.roster_round import RosterRound, round_certificate
 from hetero_node.client.swarm.runtime import PeerRuntime, not_served
 from hetero_node.models.shards import fingerprint
-from hetero_node.protocol.admission import loss_admitted
+from hetero_node.protocol.admission import loss_admitted, probe_draw
 from hetero_node.protocol.errors import PayloadError
 from hetero_node.protocol.flat_exchange import (
     contributor_limit,
@@ -85,9 +85,9 @@ MEMBER_FETCH_S = 5.0
 VOTES_KEPT = 64
 """Rounds our seals are remembered for: a member comes back at most a few rounds (a round certified late)."""
 
-Drops = Callable[[int, list[Tensor], dict[str, list[Tensor]]], dict[str, float]]
-"""A loss judge (`roles/loss_judge.py`): (round, the shard's θ(t), author → the shard's θ(t+1) from that author's step
-alone) → author → how much that step lowers the probe loss."""
+Drops = Callable[[int, list[Tensor], Iterable[tuple[str, list[Tensor]]]], dict[str, float]]
+"""A loss judge (`roles/loss_judge.py`): (the probe draw, the shard's θ(t), each author with the shard's θ(t+1) from
+that author's step alone, made one at a time) → author → how much that step lowers the probe loss."""
 
 
 class Unreachable(Exception):
@@ -166,7 +166,8 @@ class ShardOutcome:
     dropped: list[str] = field(default_factory=list)
     bytes_received: int = 0
     deferred: bool = False
-    """This member brought a valid message the round did not select (`--max-contributors`): its Δ stays owed."""
+    """This member brought a valid message the round did not select (`--max-contributors`) or its loss verdicts
+    refused (`--admission loss`): its Δ stays owed."""
     messages_relayed: int = 0
     """Messages it got from a relay parent rather than from their author."""
     messages_prefetched: int = 0
@@ -249,6 +250,8 @@ class ShardSync:
         self.loss_judge: Drops | None = None
         """How we score a round's messages under `admits_by_loss` (`roles/loss_judge.py`); None: we cannot (a
         pipeline stage), and take the others' verdicts."""
+        self.judged: dict[int, Seal] = {}
+        """The loss verdicts we cast, by round (the last `VOTES_KEPT`): a verdict is a vote, cast once (`_verdict`)."""
 
     @property
     def certificate(self) -> Certificate | None:
@@ -546,7 +549,8 @@ class ShardSync:
         self._serve_manifest(pending, used, new)
         # our message stays served for KEPT_ROUNDS rounds, so the others fetch it at their pace while we go on
         contributed = any(r.name == self.me for r in used)
-        deferred = pending.payload is not None and self.me not in chosen
+        # our message not selected, or refused by the loss verdicts: our Δ stays owed in the error feedback
+        deferred = pending.payload is not None and all(r.name != self.me for r in messages)
         self._keep_applied(pending, used, pending.payload if deferred else None)
         phases = {"fetch": fetched_at - fetch_started, "outer": time.perf_counter() - outer_started}
         if self.admits_by_loss:  # scoring the messages and agreeing the verdicts
@@ -558,38 +562,62 @@ class ShardSync:
         self, pending: PendingRound, messages: list[Received], selected: list[Member], voters: frozenset[str],
         dropped: list[str],
     ) -> list[Received]:  # fmt: skip
-        """The `messages` the round's loss verdicts admit (`protocol/admission.py`), after casting ours (once: a
-        restarted member keeps the verdict the DHT holds); `Unreachable` when the verdicts decide no set in time. The
-        others are added to `dropped`."""
+        """The `messages` the round's loss verdicts admit (`protocol/admission.py`), after casting ours (`_verdict`);
+        `Unreachable` when the verdicts decide no set in time. The others are added to `dropped`."""
         roster = pending.roster
         assert roster is not None  # `finish` came here after `begin`
         sizes = {m.name: m.meta.size for m in selected}
         entries = {r.name: Entry(r.name, sizes[r.name], r.digest, r.tokens) for r in messages}
-        start_fp = pending.meta.start_fp
-        ours = None
-        earlier = roster.verdicts() if self.resumed_at is not None else {}
-        if earlier and self.me in earlier:
-            ours = earlier[self.me]
-        elif self.loss_judge is not None:
-            steps = {
-                r.name: self.method.update(pending.start, self.method.combine([r.message], [float(r.tokens)], [r.name]))
-                for r in messages
-            }
-            drops = self.loss_judge(pending.round, pending.start, steps)
-            admissible = loss_admitted(drops)
-            logger.info("shard %d round %d: probe loss drops %s", self.shard, pending.round,
-                        ", ".join(f"{a[-6:]} {d:+.4f}" for a, d in sorted(drops.items())))  # fmt: skip
-            ours = Seal(self.me, pending.round, start_fp, tuple(sorted(entries[a] for a in admissible)), self.proof)
-            roster.judge(ours)
-        # the others judge once their last message is in, which may be up to the fetch deadline after ours
-        wait_s = self.timeouts.fetch_timeout_s
-        decided = roster.await_admitted(start_fp, ours, voters, list(entries.values()), wait_s)
+        started = time.monotonic()
+        ours = self._verdict(pending, roster, messages, entries)
+        # the others judge once their last message is in (up to the fetch deadline and a retry from another member
+        # after ours), and take about as long to judge as we did
+        wait_s = self.timeouts.fetch_timeout_s + MEMBER_FETCH_S + max(self.timeouts.matchmaking_s,
+                                                                       2 * (time.monotonic() - started))  # fmt: skip
+        decided = roster.await_admitted(pending.meta.start_fp, ours, voters, list(entries.values()), wait_s)
         if decided is None:
             raise Unreachable("the round's loss verdicts decided no set in time")
         for r in messages:
             if entries[r.name] not in decided:
                 dropped.append(f"{r.name}: its step does not lower the probe loss, as most of the round judged")
         return [r for r in messages if entries[r.name] in decided]
+
+    def _verdict(
+        self, pending: PendingRound, roster: RosterRound, messages: list[Received], entries: dict[str, Entry]
+    ) -> Seal | None:
+        """Our verdict of the round, cast once: the one we cast before (in memory, or in the DHT after a restart), else
+        our judge's, stored now; None when we cast none (we cannot judge, our judge failed, or after a restart the DHT
+        does not say whether we did: judging again could count two verdicts of ours)."""
+        if pending.round in self.judged:
+            return self.judged[pending.round]
+        if self.resumed_at is not None:
+            earlier = roster.verdicts()
+            if earlier is None or self.me in earlier:
+                return None if earlier is None else earlier[self.me]
+        if self.loss_judge is None:
+            return None
+        # one candidate θ(t+1) at a time (K of them would be K copies of the shard); `update` is pure for the sparse
+        # methods `--admission loss` requires (DiLoCo's would advance its momentum)
+        steps = (
+            (r.name, self.method.update(pending.start, self.method.combine([r.message], [float(r.tokens)], [r.name])))
+            for r in messages
+        )
+        try:
+            drops = self.loss_judge(probe_draw(entries.values()), pending.start, steps)
+        except Exception as e:  # a judge that fails is one not heard from: the others still decide
+            logger.error("shard %d round %d: scoring the messages failed (%s: %s); casting no verdict", self.shard,
+                         pending.round, type(e).__name__, e)  # fmt: skip
+            return None
+        logger.info("shard %d round %d: probe loss drops %s", self.shard, pending.round,
+                    ", ".join(f"{a[-6:]} {d:+.4f}" for a, d in sorted(drops.items())))  # fmt: skip
+        admissible = loss_admitted(drops)
+        ours = Seal(self.me, pending.round, pending.meta.start_fp, tuple(sorted(entries[a] for a in admissible)),
+                    self.proof)  # fmt: skip
+        roster.judge(ours)
+        self.judged[pending.round] = ours
+        for old in [r for r in self.judged if r <= pending.round - VOTES_KEPT]:
+            del self.judged[old]
+        return ours
 
     def _collect_messages(
         self, pending: PendingRound, selected: list[Member], members: dict[str, Any]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -33,29 +33,31 @@ class LossJudge:
         self.model = copy.deepcopy(model).requires_grad_(False)
         self.params = [shard_tensors(self.model, names) for names in shard_names]
         self.device = next(self.model.parameters()).device
-        self.probe: Callable[[int], list[Batch]] = lambda round_: probe_batches(
-            store, run.data_shards, run.batch_size, run.seq_len, run.seed, round_, PROBE_BATCHES
+        self.probe: Callable[[int], list[Batch]] = lambda draw: probe_batches(
+            store, run.data_shards, run.batch_size, run.seq_len, run.seed, draw, PROBE_BATCHES
         )
         self.lock = threading.Lock()
 
     def for_shard(self, shard: int, starts: Callable[[], Mapping[int, list[Tensor]]]) -> Drops:
         """`drops` for one shard's rounds; `starts()`: θ(t) of every shard, as the replica holds it now."""
-        return lambda round_, start, candidates: self.drops(round_, {**starts(), shard: start}, shard, candidates)
+        return lambda draw, start, candidates: self.drops(draw, {**starts(), shard: start}, shard, candidates)
 
     @torch.no_grad()
     def drops(
-        self, round_: int, starts: Mapping[int, list[Tensor]], shard: int, candidates: dict[str, list[Tensor]]
+        self, draw: int, starts: Mapping[int, list[Tensor]], shard: int, candidates: Iterable[tuple[str, list[Tensor]]]
     ) -> dict[str, float]:
-        """Author → probe loss at θ(t) minus probe loss with `shard` at that author's θ(t+1)."""
+        """Author → probe loss at θ(t) minus probe loss with `shard` at that author's θ(t+1), on the probe batches
+        of `draw`; `candidates` are made one at a time, so only one θ(t+1) is held."""
         with self.lock:
-            batches = self.probe(round_)
-            for ours, live in zip(self.model.buffers(), self.live.buffers(), strict=True):
-                ours.copy_(live)
+            batches = self.probe(draw)
+            ours = dict(self.model.named_buffers())
+            for name, live in self.live.named_buffers():
+                ours[name].copy_(live)
             for s, tensors in starts.items():
                 self._load(s, tensors)
             before = mean_loss(self.model, batches, self.device)
             drops = {}
-            for author, tensors in candidates.items():
+            for author, tensors in candidates:
                 self._load(shard, tensors)
                 drops[author] = before - mean_loss(self.model, batches, self.device)
             return drops
