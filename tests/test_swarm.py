@@ -116,9 +116,10 @@ def test_a_private_swarm_with_robust_aggregation_trains_and_agrees_and_refuses_a
 
 # long: `make test` joins late over a real network instead (test_real_network.py)
 @pytest.mark.long
-def test_late_joiner_catches_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("admission", ["none", "loss"])  # loss: it rebuilds rounds from the admitted sets
+def test_late_joiner_catches_up(tmp_path: Path, admission: str) -> None:
     with LocalSwarm(tmp_path) as swarm:
-        peers = start_replicas(swarm, 2, tmp_path, rounds=10, run_extra={"round_s": 2})
+        peers = start_replicas(swarm, 2, tmp_path, rounds=10, run_extra={"round_s": 2, "admission": admission})
         wait_for_round(tmp_path, 0, 0)
         swarm.start("r2", join_args(peers, 2, tmp_path))
         assert_all_exit_cleanly(swarm, ["r0", "r1", "r2"])

@@ -533,8 +533,11 @@ class ShardSync:
         try:
             messages, dropped, traffic = self._collect_messages(pending, selected, peers)
             fetched_at = time.perf_counter()
+            refused: set[str] = set()
             if self.admits_by_loss:
-                messages = self._admit(pending, messages, selected, frozenset(peers), dropped)
+                admitted = self._admit(pending, messages, selected, frozenset(peers), dropped)
+                refused = {r.name for r in messages} - {r.name for r in admitted}
+                messages = admitted
         except Unreachable as e:
             logger.warning("shard %d round %d: %s; taking the round's result from the members that got it",
                            self.shard, pending.round, e)  # fmt: skip
@@ -549,8 +552,9 @@ class ShardSync:
         self._serve_manifest(pending, used, new)
         # our message stays served for KEPT_ROUNDS rounds, so the others fetch it at their pace while we go on
         contributed = any(r.name == self.me for r in used)
-        # our message not selected, or refused by the loss verdicts: our Δ stays owed in the error feedback
-        deferred = pending.payload is not None and all(r.name != self.me for r in messages)
+        # our message not selected, or refused by the loss verdicts: our Δ stays owed in the error feedback (one that
+        # does not decode is dropped, as everyone's)
+        deferred = pending.payload is not None and (self.me not in chosen or self.me in refused)
         self._keep_applied(pending, used, pending.payload if deferred else None)
         phases = {"fetch": fetched_at - fetch_started, "outer": time.perf_counter() - outer_started}
         if self.admits_by_loss:  # scoring the messages and agreeing the verdicts
