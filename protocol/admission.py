@@ -30,13 +30,13 @@ from collections.abc import Iterable, Mapping
 
 from hetero_node.protocol.roster import Entry, Seal, ballots
 
-PROBE_DRAW_BITS = 62
-
 PROBE_BATCHES = 4
-"""Batches a judge scores each message's step on, fresh ones each round (as many as an evaluation's)."""
+"""Batches a judge scores each message's step on, drawn anew each round (`probe_draw`; as many as an evaluation's)."""
 LOSS_FLOOR = 0.25
 """A message is admissible if its step alone lowers the probe loss by more than 0 and by at least this share of the
 median message's drop (one that agrees and adds nothing, the lab's `dilute`, drops it by ~0)."""
+PROBE_DRAW_BITS = 62
+"""Bits of a probe draw (the top of a 64-bit blake2b digest): a draw is a non-negative signed 64-bit integer."""
 
 
 def loss_admitted(drops: Mapping[str, float]) -> set[str]:
@@ -53,9 +53,9 @@ def admitted(
     verdicts: Iterable[Seal], start_fp: str, voters: frozenset[str], candidates: Iterable[Entry]
 ) -> frozenset[Entry] | None:
     """The `candidates` more than half of `voters` admitted, once each candidate is in or out (`roster.standing`'s
-    rule: out once its admissions plus the voters not heard from are at most half); None while one is undecided.
-    A verdict from outside `voters`, or from another start, admits nothing."""
-    # `roster.standing`'s rule, over the candidates given: one no verdict read yet lists is pending, not out
+    rule: out once its admissions plus the voters not heard from are at most half; but over the candidates given, so
+    one that no verdict read yet lists is pending, not out); None while one is undecided. A verdict from outside
+    `voters`, or from another start, admits nothing."""
     votes = ballots(verdicts, start_fp, voters)
     unheard = len(voters) - len(votes)
     chosen = set()
