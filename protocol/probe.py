@@ -1,4 +1,4 @@
-"""Bandwidth probe handlers every hetero-node peer serves (bootstrap included).
+"""Bandwidth and round-trip probe handlers every hetero-node peer serves (bootstrap included).
 
 A node measures its link by timing real transfers over hivemind P2P to a peer that serves these handlers:
 download = the peer streams `size` bytes to us; upload = we stream bytes, the peer times their arrival. Both
@@ -25,6 +25,8 @@ wire = load_proto_module("wire")
 
 PROBE_DOWNLOAD = f"{KEY_PREFIX}.probe.download"
 PROBE_UPLOAD = f"{KEY_PREFIX}.probe.upload"
+PROBE_PING = f"{KEY_PREFIX}.probe.ping"
+"""An empty request answered at once: a node times it to learn its round trip (`client/node/round_trip.py`)."""
 PROBE_PIECE_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 32 * 1024 * 1024
 """The largest transfer one probe may ask for (or send) in either direction."""
@@ -96,3 +98,9 @@ async def register_probe_handlers(p2p: Any) -> None:
     server = ProbeServer()
     await p2p.add_protobuf_handler(PROBE_DOWNLOAD, server.serve_download, wire.ProbeRequest, stream_output=True)
     await p2p.add_protobuf_handler(PROBE_UPLOAD, server.absorb_upload, wire.ProbeRequest, stream_input=True)
+    await p2p.add_protobuf_handler(PROBE_PING, _pong, wire.ProbeRequest)
+
+
+async def _pong(_request: Any, _context: Any) -> Any:
+    """No budget: the reply is empty, and any peer can already cost us more by opening a stream."""
+    return wire.ProbeReply()

@@ -39,6 +39,7 @@ PEER_ID_PATTERN = r"^[1-9A-HJ-NP-Za-km-z]{32,64}$"
 MAX_GPUS = 64
 MAX_MEMORY_GB = 100_000.0
 MAX_MBPS = 1_000_000.0
+MAX_RTT_MS = 10_000.0
 MAX_SHARDS = 1024
 FingerprintKey = constr(strict=True, regex=r"^(\d{1,4}|fixed|embed)$")
 
@@ -76,6 +77,9 @@ class PeerRecord(pydantic.BaseModel):
     upload_mbps: confloat(strict=True, ge=0, le=MAX_MBPS)  # type: ignore[valid-type]
     download_mbps: confloat(strict=True, ge=0, le=MAX_MBPS)  # type: ignore[valid-type]
     bandwidth_source: constr(strict=True, regex=r"^(measured|override|unknown)$")  # type: ignore[valid-type]
+    rtt_ms: confloat(strict=True, ge=0, le=MAX_RTT_MS)  # type: ignore[valid-type]
+    """Round trip to the peer it measured its link against (its first initial peer that serves probes: the bootstrap,
+    usually), in ms (0: not measured). The planner prices each pipeline boundary and exchange hop with it."""
     tokens_per_s: confloat(strict=True, ge=0, le=1e9)  # type: ignore[valid-type]
     role: constr(strict=True, regex=f"^({'|'.join(ROLES)})$")  # type: ignore[valid-type]
     requested_role: constr(strict=True, regex=f"^({'|'.join(REQUESTED_ROLES)})$")  # type: ignore[valid-type]

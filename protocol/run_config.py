@@ -19,9 +19,9 @@ from typing import Any
 from hetero_node.protocol.errors import ConfigError, require_positive
 from hetero_node.protocol.outer_specs import outer_spec
 
-PROTOCOL_VERSION = 15
-"""Bumped whenever a message layout or an aggregation rule changes (15: loss-scored admission's verdicts); part of
-`run_id`."""
+PROTOCOL_VERSION = 16
+"""Bumped whenever a message layout or an aggregation rule changes (16: peer records carry a measured round trip);
+part of `run_id`."""
 
 MAX_CHUNK = 64
 """Largest chunk side: in-chunk indices must fit the 12 bits of the wire format (64² = 4096)."""

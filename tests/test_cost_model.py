@@ -21,6 +21,7 @@ from hetero_node.client.swarm import cost_model
 from hetero_node.client.swarm.auto_plan import MarginalGain, auto_plan, count_grid, live_assignment, requirements
 from hetero_node.client.swarm.cost_model import (
     Assignment,
+    Latency,
     LinkModel,
     RunShape,
     accumulated_pace,
@@ -119,9 +120,9 @@ def test_a_round_is_stretched_past_its_exchange_as_the_protocol_does_with_bigger
 def test_a_pipelines_accumulated_batches_stream_and_pay_its_fill_and_round_trips_once_a_step() -> None:
     slot = (0.5 + 50 * 8 / 1e6) / 2  # c and d: 0.5 s of compute and 50 bytes at 1 Mbit/s per batch, 2 microbatches
     holders = [PEERS["c"], PEERS["d"]]
-    per_batch, per_step = accumulated_pace(holders, SHAPE, LinkModel())
+    per_batch, per_step = accumulated_pace(holders, SHAPE, Latency())
     assert per_batch == pytest.approx(2 * slot) and per_batch + per_step == pytest.approx(3 * slot)  # one: GPipe
-    far = LinkModel(rtt_ms=2000)  # 2 s across the boundary: the two batches in flight wait for it
+    far = Latency.of(holders, LinkModel(rtt_ms=2000))  # 2 s across the boundary: the two batches in flight wait
     per_batch, per_step = accumulated_pace(holders, SHAPE, far)
     assert per_batch == pytest.approx((2.0 + 2 * slot) / 2)
     assert per_batch + per_step == pytest.approx(virtual_step_s(holders, SHAPE, far))
@@ -254,6 +255,54 @@ def test_the_live_planner_keeps_the_labs_edge_pipeline_which_the_model_says_pays
     assert sorted(live.full) == ["dc-0", "dc-1"] and [sorted(vr) for vr in live.virtual] == [["edge-0", "edge-1"]]
 
 
+def test_round_trips_between_nodes_come_from_each_records_round_trip_to_the_bootstrap() -> None:
+    """The netlab's `hetero-tiny-wan`: datacenter nodes 5 ms from the core, edge nodes 35 ms, the bootstrap 5 ms, so
+    their records say 20 and 80 ms; the pairs' round trips (20, 80, 140 ms) follow. A record that says nothing counts
+    at the swarm file's figure, which is then every pair's, as before records carried one."""
+    dc = [PeerInfo(f"dc{i}", 8 * GB, 1000, 1000, 2800, rtt_ms=20.0) for i in range(2)]
+    edge = [PeerInfo(f"edge{i}", GB // 25, 50, 50, 2800, rtt_ms=80.0) for i in range(2)]
+    latency = Latency.of([*dc, *edge], LinkModel())
+    assert (latency.pair_ms(*dc), latency.pair_ms(dc[0], edge[0]), latency.pair_ms(*edge)) == (20, 80, 140)
+    assert latency.boundaries_s(edge) == pytest.approx(0.140) and latency.hop_ms(edge[0]) == 140  # median: 80
+    quiet = [peer("q0", 100, 8), peer("q1", 100, 8)]
+    assert Latency.of(quiet, LinkModel(rtt_ms=60)).pair_ms(*quiet) == 60
+    assert Latency.of([*quiet, dc[0]], LinkModel(rtt_ms=60)).pair_ms(quiet[0], dc[0]) == 60  # 60 + 20 − 20
+    assert Latency.of([], LinkModel(rtt_ms=60)).pair_ms(*quiet) == 60
+
+
+def test_the_model_prices_a_pipelines_boundaries_by_its_own_holders_round_trips() -> None:
+    """Two pipelines alike but for where their nodes are: the far one's step pays its holders' 1.4 s round trip,
+    the near one's its 0.1 s; a datacenter node in the swarm sets where the core is."""
+    near = {n: dataclasses.replace(PEERS[n], rtt_ms=100.0) for n in "cd"}
+    far = {f"{n}2": dataclasses.replace(PEERS[n], peer_id=f"{n}2", rtt_ms=750.0) for n in "cd"}
+    swarm = {**PEERS, "a": dataclasses.replace(PEERS["a"], rtt_ms=100.0), **near, **far}
+    latency = Latency.of(swarm.values(), BARE)
+    assert latency.core_ms == 100 and latency.boundaries_s(list(far.values())) == pytest.approx(1.4)
+    slot = (0.5 + 50 * 8 / 1e6) / 2
+    one = {vr: predict_round(swarm, Assignment((), (vr,)), SHAPE, BARE) for vr in (("c", "d"), ("c2", "d2"))}
+    assert one["c", "d"].window_s == pytest.approx(10 * (3 * slot + 0.1))
+    assert one["c2", "d2"].window_s == pytest.approx(10 * (3 * slot + 1.4))
+
+
+def test_the_live_planner_keeps_a_pipeline_of_nodes_near_each_other_and_not_of_nodes_a_world_apart() -> None:
+    """The netlab's swarm (`hetero-lab.toml`) with the round trips its nodes measure: at the WAN netlab's 80 ms the
+    edge pipeline pays (two batches in flight hide most of its 140 ms boundary); edge nodes 3 s from the bootstrap
+    (a saturated home uplink's queue) would train a step or two a round and lengthen every member's exchange hops:
+    the swarm's predicted tokens/s fall with them, so they stay on standby. Before records carried a round trip the
+    planner saw both swarms alike."""
+    run = run_config(inner_steps=20)
+    nodes, links = load_swarm(Path("bench/swarms/hetero-lab.toml"), get_preset("tiny").n_params())
+    shape = RunShape.from_run(run)
+
+    def placed(edge_rtt_ms: float) -> Assignment:
+        measured = [dataclasses.replace(n, rtt_ms=edge_rtt_ms if n.peer_id.startswith("edge") else 20.0)
+                    for n in nodes]  # fmt: skip
+        return live_assignment(measured, shape, links)
+
+    assert [sorted(vr) for vr in placed(80.0).virtual] == [["edge-0", "edge-1"]]
+    assert placed(3000.0).virtual == () and sorted(placed(3000.0).full) == ["dc-0", "dc-1"]
+
+
 class RecordBoard:
     """Stands in for the DHT under `Membership`: the records as last published."""
 
@@ -354,10 +403,12 @@ def test_swarm_files_expand_counts_convert_tflops_and_reject_typos(tmp_path: Pat
     path.write_text(
         'rtt_ms = 40\n[[node]]\nname = "dc"\ncount = 2\ntflops = 6\nmemory_gb = 80\nup_mbit = 1000\n'
         '[[node]]\nname = "home"\ntokens_per_s = 500\nmemory_gb = 8\nup_mbit = 20\ndown_mbit = 200\nrelayed = true\n'
+        "rtt_ms = 90\n"
         '[[node]]\nname = "server"\ngpus = 8\ntokens_per_s = 500\nmemory_gb = 80\nup_mbit = 10000\n'
     )
     peers, links = load_swarm(path, parameters=10**6)
     assert [p.peer_id for p in peers] == ["dc-0", "dc-1", "home", "server"] and links.rtt_ms == 40
+    assert peers[2].rtt_ms == 90 and peers[0].rtt_ms == 0  # its own round trip; the others: the file's 40
     server = peers[3]  # one replica on 8 GPUs: 8 × one GPU's speed, one GPU's memory (each holds the model)
     assert (server.tokens_per_s, server.memory_bytes) == (4000, 80e9)
     assert peers[0].tokens_per_s == pytest.approx(6e12 / 6e6) and peers[0].download_mbps == 1000
@@ -370,6 +421,7 @@ def test_swarm_files_expand_counts_convert_tflops_and_reject_typos(tmp_path: Pat
         ({"node": [{**node, "gpus": 1.5}]}, "gpus must be an integer"),
         ({"node": [node, node]}, "unique"),
         ({"node": [{**node, "up_mbit": "fast"}]}, "up_mbit.*finite number"),
+        ({"node": [{**node, "rtt_ms": -1}]}, "rtt_ms.*finite number ≥ 0"),
         ({"nodes": []}, "unknown key"),
         ({}, "no \\[\\[node\\]\\] entries"),
     ):

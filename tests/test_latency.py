@@ -8,16 +8,21 @@ import json
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from swarm_helpers import join_args, run_args
 
+from hetero_node.bench.lab_swarm import LabSwarm
 from hetero_node.bench.netns import NetLab, nat_unavailable_reason
 
 UNAVAILABLE = nat_unavailable_reason()
 pytestmark = [
     pytest.mark.skipif(UNAVAILABLE is not None, reason=f"lab latency unavailable: {UNAVAILABLE}"),
-    pytest.mark.timeout(120),
+    pytest.mark.timeout(180),
 ]
+CLI = [sys.executable, "-m", "hetero_node.client.cli"]
 
 SERVER = """
 import hashlib, socket, sys
@@ -88,6 +93,32 @@ def test_a_round_trip_takes_twice_the_summed_latency_of_both_ends_and_bytes_arri
     assert min(back["rtt_ms"]) >= 59 and statistics.median(back["rtt_ms"]) < 140, back  # 2 × (30 + 0)
     assert far["intact"] and near["intact"] and back["intact"]
     assert far["peer"] == near["peer"] == home, "the far end must see the dialer's own address"
+
+
+@pytest.mark.multipeer
+def test_a_joined_node_records_its_round_trip_to_the_bootstrap(tmp_path: Path) -> None:
+    """What the planner prices pipelines with (`cost_model.Latency`): a node 35 ms from the core times pings to a
+    bootstrap 5 ms from it, 2 × (35 + 5) ms, and publishes the figure in its record; a node beside the core, 10 ms."""
+    with LabSwarm(tmp_path, 1000) as swarm:
+        assert swarm.lab is not None
+        for name, latency in (("bootstrap", 5), ("r0", 35), ("r1", 0)):
+            swarm.lab.add_node(name, 1000, latency_ms=latency)
+        swarm.lab.start_delays()
+        peers = swarm.start_bootstrap(run_args(200, inner_steps=4, round_s=2))
+        for index in (0, 1):
+            swarm.start(f"r{index}", join_args(peers, index, tmp_path, min_peers=1))
+        deadline, measured = time.monotonic() + 90, {}
+        while len(measured) < 2:
+            assert time.monotonic() < deadline, swarm.log_path("r0").read_text()[-3000:]
+            time.sleep(2)
+            status = swarm.lab.run(swarm.lab.nodes["bootstrap"], [*CLI, "status", "--peers", peers, "--json"],
+                                   capture_output=True, text=True, timeout=60)  # fmt: skip
+            records = json.loads(status.stdout)["peers"]
+            measured = {name: r["rtt_ms"] for name in ("r0", "r1") for r in records
+                        if any(a.startswith(f"/ip4/{swarm.host(name)}/") for a in r["addrs"])}  # fmt: skip
+    print(f"round trips recorded: {measured}")  # shown with pytest -s
+    assert 79 <= measured["r0"] < 160, measured
+    assert 9 <= measured["r1"] < 60, measured
 
 
 def test_without_latency_no_proxy_is_started() -> None:

@@ -40,16 +40,16 @@ def _peer_table(snapshot: dict[str, Any]) -> Table:
     run = snapshot["run"]
     title = f"run {snapshot['run_id']}" + (f" · {run['preset']} · H={run['outer']['inner_steps']}" if run else "")
     table = Table(title=f"{title} · round {snapshot['round']} · {len(snapshot['peers'])} peers")
-    for column in ("peer", "role", "vr", "stage", "gpu", "mem GB", "up/down Mbit/s", "tokens/s", "round", "loss",
-                   "seen"):  # fmt: skip
+    for column in ("peer", "role", "vr", "stage", "gpu", "mem GB", "up/down Mbit/s", "rtt ms", "tokens/s", "round",
+                   "loss", "seen"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("peer", "role", "gpu") else "right")
     for p in snapshot["peers"]:
         gpu = _hardware(p)
         table.add_row(
             p["peer_id"][-8:], p["role"], str(p["vr"]) if p["vr"] >= 0 else "", str(p["stage"]) if p["stage"] >= 0
             else "", gpu, f"{p['memory_gb']:.2f}", f"{p['upload_mbps']:,.0f}/{p['download_mbps']:,.0f}",
-            f"{p['tokens_per_s']:,.0f}", str(p["round"]), "" if p["loss"] is None else f"{p['loss']:.3f}",
-            f"{p['last_seen_s']:.0f}s ago",
+            f"{p['rtt_ms']:.0f}" if p["rtt_ms"] else "?", f"{p['tokens_per_s']:,.0f}", str(p["round"]),
+            "" if p["loss"] is None else f"{p['loss']:.3f}", f"{p['last_seen_s']:.0f}s ago",
         )  # fmt: skip
     return table
 

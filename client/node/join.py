@@ -26,6 +26,7 @@ from hetero_node.client.monitor.http_server import MonitorServer
 from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.node.bandwidth import joins_as_dht_client, node_bandwidth
 from hetero_node.client.node.capabilities import measure_throughput, probe_hardware
+from hetero_node.client.node.round_trip import node_round_trip_ms
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.leaving import leave_on_signals
 from hetero_node.client.roles.measured_speed import load_speed, speed_key
@@ -65,6 +66,7 @@ def _initial_record(
     "joining")."""
     hardware = probe_hardware(devices[0], node.memory_gb)  # each local rank holds the whole model
     bandwidth = node_bandwidth(runtime, node.bandwidth_mbps, bandwidth_cache(), node.remeasure_bandwidth)
+    rtt_ms = node_round_trip_ms(runtime)
     fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
     throughput, step_s = 0.0, 0.0
     if fits and requested_role != REQUEST_STAGE:
@@ -88,6 +90,7 @@ def _initial_record(
         upload_mbps=bandwidth.upload_mbps,
         download_mbps=bandwidth.download_mbps,
         bandwidth_source=bandwidth.source,
+        rtt_ms=rtt_ms,
         tokens_per_s=round(throughput, 1),
         role=ROLE_JOINING,
         requested_role=requested_role,

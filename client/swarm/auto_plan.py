@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.cost_model import (
     Assignment,
+    Latency,
     LinkModel,
     RoundPrediction,
     RunShape,
@@ -182,7 +183,8 @@ def _groups(pool: list[PeerInfo], shape: RunShape, links: LinkModel) -> list[tup
             open_groups.remove(group)
             groups.append(_stage_order([p for p in group if p], shape))
     by_id = {p.peer_id: p for p in pool}
-    return sorted(groups, key=lambda g: virtual_step_s([by_id[p] for p in g], shape, links))
+    latency = Latency.of(pool, links)
+    return sorted(groups, key=lambda g: virtual_step_s([by_id[p] for p in g], shape, latency))
 
 
 def _assignments(peers: Mapping[str, PeerInfo], shape: RunShape, links: LinkModel) -> Iterable[Assignment]:

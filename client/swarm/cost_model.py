@@ -7,7 +7,8 @@ come from `RunShape.from_run` (the codecs the nodes run), speeds and links from 
 One round, as the protocol runs it:
 * a full replica's inner step takes tokens_per_step / tokens_per_s (its measured full-model throughput); a virtual
   replica's is a GPipe step: M + S − 1 microbatch slots of its slowest stage (its share of the model's FLOPs at
-  its node's speed, plus its boundary traffic at its link), plus a one-way latency per boundary each way;
+  its node's speed, plus its boundary traffic at its link), plus a round trip per boundary (`Latency`: from the
+  records' measured round trips);
 * the training window is H steps of the fastest replica (`--round-s 0`), stretched as the protocol stretches it
   (`client/roles/schedule.py`) until training fills `--target-utilisation` of a round next to the full replicas'
   upper-median exchange (at most 30 times); a stretched round's steps accumulate A = ⌊window / H steps⌋
@@ -46,8 +47,9 @@ early enough that its own exchange ends with the round's, and contributes fresh 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -169,9 +171,11 @@ def run_variant(run: RunConfig, inner_steps: int | None = None, rank: int | None
 
 @dataclass(frozen=True)
 class LinkModel:
-    """What the records do not say: latency, and the fixed cost of forming a group."""
+    """What the records do not say: the fixed cost of forming a group, how the exchange runs, and the round trip of
+    a node whose record gives none."""
 
     rtt_ms: float = 0.0
+    """A node's round trip when its record says nothing (`Latency`): between two such nodes, this."""
     matchmaking_s: float = 1.0
     exchange: str = "relay-tree"
     table_upkeep: str = "changes"
@@ -299,13 +303,54 @@ def _slot_s(holders: Sequence[PeerInfo], shape: RunShape) -> float:
     return max(slots)
 
 
-def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, links: LinkModel) -> float:
-    """A GPipe inner step: (M + S − 1) slots of the slowest stage, plus latency across every boundary each way."""
-    latency = (shape.stages - 1) * links.rtt_ms / 1e3  # one way forward and one way back per boundary
-    return (shape.microbatches + shape.stages - 1) * _slot_s(holders, shape) + latency
+@dataclass(frozen=True)
+class Latency:
+    """Round trips between nodes, estimated from what each record says: its round trip to one common peer (the
+    bootstrap, usually; `client/node/round_trip.py`).
+
+    Each such round trip is twice the node's own access delay plus the common peer's, so between nodes a and b it
+    is rtt_a + rtt_b less twice the common peer's share, which is taken to be the best-connected node's round trip
+    (`core_ms`, the smallest in the swarm): exact when the common peer is as close to the core as that node (the
+    netlab's access-latency model, `bench/delay_proxy.py`: 20, 80 and 140 ms between its datacenter and edge nodes
+    from records of 20 and 80 ms). A node whose record says nothing (0) counts at `LinkModel.rtt_ms` (so a swarm
+    file's single round trip is every pair's), or where that is 0 too, as the best-connected node."""
+
+    default_ms: float = 0.0
+    """An unmeasured node's round trip."""
+    core_ms: float = 0.0
+    typical_ms: float = 0.0
+    """The median node's round trip: the far end of an exchange hop, which relays among all members."""
+
+    @classmethod
+    def of(cls, peers: Iterable[PeerInfo], links: LinkModel) -> Latency:
+        figures = [p.rtt_ms for p in peers]
+        default = links.rtt_ms or min((f for f in figures if f > 0), default=0.0)
+        own = sorted(f or default for f in figures)
+        if not own:
+            return cls(default, default, default)
+        return cls(default, own[0], own[len(own) // 2])
+
+    def own_ms(self, peer: PeerInfo) -> float:
+        return peer.rtt_ms or self.default_ms
+
+    def pair_ms(self, a: PeerInfo, b: PeerInfo) -> float:
+        return max(self.own_ms(a) + self.own_ms(b) - self.core_ms, 0.0)
+
+    def hop_ms(self, peer: PeerInfo) -> float:
+        """One exchange hop to or from `peer`: its round trip to the median member."""
+        return max(self.own_ms(peer) + self.typical_ms - self.core_ms, 0.0)
+
+    def boundaries_s(self, holders: Sequence[PeerInfo]) -> float:
+        """A pipeline's round trips, one per boundary (forward one way, the gradient back), in seconds."""
+        return sum(self.pair_ms(a, b) for a, b in itertools.pairwise(holders)) / 1e3
 
 
-def accumulated_pace(holders: Sequence[PeerInfo], shape: RunShape, links: LinkModel) -> tuple[float, float]:
+def virtual_step_s(holders: Sequence[PeerInfo], shape: RunShape, latency: Latency) -> float:
+    """A GPipe inner step: (M + S − 1) slots of the slowest stage, plus a round trip across every boundary."""
+    return (shape.microbatches + shape.stages - 1) * _slot_s(holders, shape) + latency.boundaries_s(holders)
+
+
+def accumulated_pace(holders: Sequence[PeerInfo], shape: RunShape, latency: Latency) -> tuple[float, float]:
     """(seconds per batch, seconds per step) of a virtual replica whose steps accumulate several batches
     (`client/roles/pipeline_schedule.py`): `batches_in_flight` batches' microbatches stream through the pipeline, so a
     batch costs M slots, or a share of a microbatch's trip through the pipeline and back where latency is longer;
@@ -313,9 +358,9 @@ def accumulated_pace(holders: Sequence[PeerInfo], shape: RunShape, links: LinkMo
     slot = _slot_s(holders, shape)
     if not math.isfinite(slot):
         return math.inf, 0.0
-    latency = (shape.stages - 1) * links.rtt_ms / 1e3
-    per_batch = max(shape.microbatches * slot, (latency + shape.stages * slot) / shape.batches_in_flight)
-    return per_batch, virtual_step_s(holders, shape, links) - per_batch
+    trip = latency.boundaries_s(holders)
+    per_batch = max(shape.microbatches * slot, (trip + shape.stages * slot) / shape.batches_in_flight)
+    return per_batch, virtual_step_s(holders, shape, latency) - per_batch
 
 
 def exchange_bytes(nbytes: float, contributors: int, exchange: str, limit: int = 0) -> float:
@@ -358,8 +403,9 @@ def predict_round(
     peers: Mapping[str, PeerInfo], assignment: Assignment, shape: RunShape, links: LinkModel = LinkModel()
 ) -> RoundPrediction:
     """The model's round for this assignment (see the module docstring). Unknown peer ids are a KeyError."""
+    latency = Latency.of(peers.values(), links)
     paces = [(full_step_s(peers[p], shape), 0.0) for p in assignment.full]
-    paces += [accumulated_pace([peers[p] for p in vr], shape, links) for vr in assignment.virtual]
+    paces += [accumulated_pace([peers[p] for p in vr], shape, latency) for vr in assignment.virtual]
     step_s = [per_batch + per_step for per_batch, per_step in paces]  # a step of one batch
     finite = [s for s in step_s if math.isfinite(s)]
     base = shape.inner_steps * min(finite) if finite else 0.0
@@ -376,14 +422,14 @@ def predict_round(
 
     steps = _steps_in(base, 1, paces, shape.min_inner_steps)
     trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
-    exchanges = _exchanges(peers, members, trains, shape, links)
+    exchanges = _exchanges(peers, members, trains, shape, links, latency)
     window, accumulation = _stretched(base, [e for r, e in enumerate(replica_exchange(exchanges))
                                              if roles[r] == "full" and trains[r]], shape)  # fmt: skip
     if window > base:  # the protocol's stretched round: H bigger steps (`client/roles/schedule.py`)
         steps = _steps_in(window, accumulation, paces, shape.min_inner_steps)
         stretched_trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
         if stretched_trains != trains:
-            trains, exchanges = stretched_trains, _exchanges(peers, members, stretched_trains, shape, links)
+            trains, exchanges = stretched_trains, _exchanges(peers, members, stretched_trains, shape, links, latency)
     batches = [n * accumulation for n in steps]
     every = [1] * len(paces)
     per_replica = replica_exchange(exchanges)
@@ -454,7 +500,7 @@ def _stretched(base: float, full_exchanges: Sequence[float], shape: RunShape) ->
 
 def _exchanges(
     peers: Mapping[str, PeerInfo], members: Sequence[Member], trains: Sequence[bool], shape: RunShape,
-    links: LinkModel,
+    links: LinkModel, latency: Latency,
 ) -> dict[str, tuple[float, float, float]]:  # fmt: skip
     """peer → (bytes up, bytes down, seconds) of its round's exchange: the messages of the shards it holds, T_fixed,
     the protocol's overhead; nothing for a replica that does not train."""
@@ -488,8 +534,8 @@ def _exchanges(
             up += table_up
         hops = exchange_hops(contributors, exchange)
         held = sum(shape.shard_message_bytes[s] for s in shards)  # each relay stores a message, then forwards it
-        latency = hops * links.rtt_ms / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
-        exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + links.matchmaking_s + latency)
+        hops_s = hops * latency.hop_ms(peer) / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
+        exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + links.matchmaking_s + hops_s)
     return exchanges
 
 

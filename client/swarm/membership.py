@@ -74,6 +74,7 @@ def peer_info(record: PeerRecord, share: tuple[float, float] | None = None) -> P
         pinned_stage=record.pinned_stage,
         claimed_at=record.claimed_at,
         relayed=share is not None,
+        rtt_ms=record.rtt_ms,
     )
 
 

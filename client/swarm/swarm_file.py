@@ -1,6 +1,7 @@
 """A swarm description for `hetero-node plan`: kinds of nodes with their speed, memory and links.
 
-    rtt_ms = 40                  # optional: round-trip time between any two peers (default 0)
+    rtt_ms = 40                  # optional: a node's round trip to the bootstrap, for nodes that give none (default
+                                 # 0); with every node at one figure, the round trip between any two of them
     matchmaking_s = 1.0          # optional: fixed cost of forming a round's group (default 1 s)
     [[node]]
     name = "dc"                  # unique; with count = N the nodes are dc-0 … dc-(N-1)
@@ -13,6 +14,8 @@
     up_mbit = 10000
     down_mbit = 10000            # optional, default up_mbit
     relayed = false              # optional: reachable only through a relay
+    rtt_ms = 80                  # optional: this kind's round trip to the bootstrap, as `join` measures it; two
+                                 # nodes are rtt_a + rtt_b − the smallest node's apart (`cost_model.Latency`)
 
 Unknown keys are errors (a misspelt key would silently plan the wrong swarm).
 """
@@ -28,7 +31,9 @@ from hetero_node.client.swarm.cost_model import LinkModel
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.protocol.errors import ConfigError
 
-NODE_KEYS = {"name", "count", "gpus", "tokens_per_s", "tflops", "memory_gb", "up_mbit", "down_mbit", "relayed"}
+NODE_KEYS = {
+    "name", "count", "gpus", "tokens_per_s", "tflops", "memory_gb", "up_mbit", "down_mbit", "relayed", "rtt_ms",
+}  # fmt: skip
 TOP_KEYS = {"rtt_ms", "matchmaking_s", "node"}
 
 
@@ -94,8 +99,9 @@ def _node_kind(kind: Any, parameters: int, where: str) -> list[PeerInfo]:
     relayed = kind.get("relayed", False)
     if not isinstance(relayed, bool):
         raise ConfigError(f"{where} ({name}): relayed must be true or false")
+    rtt_ms = _number(kind, "rtt_ms", 0.0, where)
     names = [name] if count == 1 else [f"{name}-{i}" for i in range(count)]
-    return [PeerInfo(n, int(memory), up, down, tokens_per_s, relayed=relayed) for n in names]
+    return [PeerInfo(n, int(memory), up, down, tokens_per_s, relayed=relayed, rtt_ms=rtt_ms) for n in names]
 
 
 def _number(table: dict[str, Any], key: str, default: float | None, where: str) -> float:
