@@ -17,6 +17,8 @@ from factories import peer_record, run_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hetero_node.client.cli.plan import sizing_run
+from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.swarm import cost_model
 from hetero_node.client.swarm.auto_plan import MarginalGain, auto_plan, count_grid, live_assignment, requirements
 from hetero_node.client.swarm.cost_model import (
@@ -39,6 +41,7 @@ from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import REQUEST_AUTO, REQUEST_FULL, ROLE_FULL, ROLE_STAGE, ROLE_STANDBY
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 GB = 10**9
 
@@ -244,6 +247,31 @@ def test_the_live_planner_judges_joiners_by_the_models_gain_where_the_traffic_ru
     assert judge.full_gain({"a": settled}, ("a",), (), peer("x", 0, 8)) is None  # unknown speed: the rule decides
     verdict = judge.full_gain({"j1": joiners[0]}, (), (), joiners[0])  # the first replica always adds
     assert verdict is not None and verdict[0]
+
+
+def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_would_cost_the_swarm() -> None:
+    """`1b` on 8 H100s (10 Gbit/s) settled as full replicas: one A100 on 1 Gbit/s beside them lengthens every round
+    with its exchange more than its tokens pay for (480k tokens/s → 462k), eight of them stretch the round and pay.
+    Judged alone, as before, each A100 of a batch was refused a full replica; judged with the joiners after it, the
+    batch becomes full replicas (the 1,000-volunteer swarm's live plan: 32% → 42% weak scaling)."""
+    run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=30),
+                     OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
+    kinds = [{"name": "h100", "count": 8, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
+             {"name": "a100", "count": 8, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30}]  # fmt: skip
+    nodes, links = parse_swarm({"matchmaking_s": 2.0, "node": kinds}, get_preset("1b").n_params())
+    h100s = [dataclasses.replace(n, role=ROLE_FULL) for n in nodes[:8]]
+    a100s = nodes[8:]
+    shape = RunShape.from_run(run)
+    req, judge = requirements(shape), MarginalGain(shape, links)
+    alone = plan([*h100s, a100s[0]], req, judge)
+    assert alone.roles["a100-0"] != ROLE_FULL and "go 479,586 → 462,036" in alone.reasons["a100-0"]
+    batch = plan([*h100s, *a100s], req, judge)
+    assert all(batch.roles[a.peer_id] == ROLE_FULL for a in a100s), batch.describe()
+    assert "with it and 7 more joining after it as 8 more replicas" in batch.reasons["a100-0"]
+    assert "go 473,298 → 629,678" in batch.reasons["a100-0"]
+    everyone = {p.peer_id: p for p in [*h100s, *a100s]}
+    together = predict_round(everyone, Assignment(tuple(everyone)), shape, links).tokens_per_s
+    assert together > predict_round(everyone, Assignment(tuple(p.peer_id for p in h100s)), shape, links).tokens_per_s
 
 
 def test_the_live_planner_keeps_the_labs_edge_pipeline_which_the_model_says_pays() -> None:

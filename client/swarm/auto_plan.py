@@ -38,7 +38,7 @@ from hetero_node.client.swarm.cost_model import (
     virtual_step_s,
 )
 from hetero_node.client.swarm.planner import PeerInfo, Replicas, Requirements, plan
-from hetero_node.protocol.roles import ROLE_FULL, ROLE_JOINING
+from hetero_node.protocol.roles import REQUEST_STAGE, ROLE_FULL, ROLE_JOINING, ROLE_STAGE
 from hetero_node.protocol.run_config import RunConfig
 
 RANK_DIVISORS = (8, 16, 32)
@@ -90,12 +90,13 @@ def requirements(shape: RunShape) -> Requirements:
 class MarginalGain:
     """The live planner's judge of a joiner (`planner.SwarmModel`), by the cost model: a joiner that holds the whole
     model becomes a full replica, and one that holds a stage a pipeline stage, iff the swarm's predicted tokens/s
-    grow with one more such replica beside the full replicas and complete virtual replicas already settled (a
-    pipeline judged as S nodes like the joiner: the planner groups similar links). The model prices what the rule
-    of thumb (`_traffic_check`: round traffic within 10% of its compute) cannot: a slow link's exchange lengthens
-    every member's round, and a node far slower than the others trains few of the window's steps. Sticky and
-    deterministic like the rest of the plan: it judges joiners only, from the records alone. Unknown throughput:
-    no verdict (the rule decides; a stage joiner is then placed)."""
+    grow with one more such replica beside the full replicas and complete virtual replicas already settled (a full
+    replica judged with the joiners after it that could be full replicas too, `full_gain`; a pipeline as S nodes
+    like the joiner: the planner groups similar links). The model prices what the rule of thumb (`_traffic_check`:
+    round traffic within 10% of its compute) cannot: a slow link's exchange lengthens every member's round, and a
+    node far slower than the others trains few of the window's steps. Sticky and deterministic like the rest of the
+    plan: it judges joiners only, from the records alone. Unknown throughput: no verdict (the rule decides; a stage
+    joiner is then placed)."""
 
     shape: RunShape
     links: LinkModel = field(default_factory=LinkModel)
@@ -103,7 +104,14 @@ class MarginalGain:
     def full_gain(
         self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
     ) -> tuple[bool, str] | None:
-        return self._gain(peers, Assignment(full, virtual), Assignment((*full, joiner.peer_id), virtual), joiner)
+        """With the joiners still to be judged after it that could be full replicas too (`full_cohort`): one A100
+        beside 50 H100s lengthens every round with its slower exchange for a few tokens, while 50 of them stretch
+        the round and pay; judged alone, each would be refused."""
+        cohort = full_cohort(peers, joiner, self.shape.full_memory_bytes)
+        sizes = count_grid(len(cohort))
+        sizes = [0, *sizes[:0:-1]]  # alone first, then the whole cohort: the answers that are usually decisive
+        options = [Assignment((*full, joiner.peer_id, *cohort[:m]), virtual) for m in sizes]
+        return self._gain(peers, Assignment(full, virtual), options, joiner)
 
     def pipeline_gain(
         self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
@@ -112,19 +120,44 @@ class MarginalGain:
                 for s in range(self.shape.stages)}  # fmt: skip
         more = Assignment(full, (*virtual, tuple(like)))
         nodes = ChainMap(like, peers)  # type: ignore[arg-type]  # read only
-        return self._gain(nodes, Assignment(full, virtual), more, joiner, "a pipeline of nodes like it")
+        return self._gain(nodes, Assignment(full, virtual), [more], joiner, "a pipeline of nodes like it")
 
     def _gain(
-        self, peers: Mapping[str, PeerInfo], now: Assignment, more: Assignment, joiner: PeerInfo, what: str = "it"
-    ) -> tuple[bool, str] | None:
+        self, peers: Mapping[str, PeerInfo], now: Assignment, options: Sequence[Assignment], joiner: PeerInfo,
+        what: str = "it",
+    ) -> tuple[bool, str] | None:  # fmt: skip
+        """Whether one of `options` (each `now` with the joiner, and perhaps others like it) predicts more tokens/s
+        than `now`: the first that does, else the best."""
         if joiner.tokens_per_s <= 0:
             return None
         before = predict_round(peers, now, self.shape, self.links).tokens_per_s
-        after = predict_round(peers, more, self.shape, self.links)
+        after, best = None, now
+        for option in options:
+            prediction = predict_round(peers, option, self.shape, self.links)
+            if after is None or prediction.tokens_per_s > after.tokens_per_s:
+                after, best = prediction, option
+            if after.tokens_per_s > before:
+                break
+        assert after is not None, "no option to judge"
+        others = best.replicas - now.replicas - 1
+        company = f" and {others} more joining after it" if others else ""
         return after.tokens_per_s > before, (
-            f"with {what} as one more replica the swarm's predicted tokens/s go {before:,.0f} → "
-            f"{after.tokens_per_s:,.0f} (round {after.round_s:.3g} s)"
+            f"with {what}{company} as {f'{others + 1} more replicas' if others else 'one more replica'} the swarm's "
+            f"predicted tokens/s go "
+            f"{before:,.0f} → {after.tokens_per_s:,.0f} (round {after.round_s:.3g} s)"
         )
+
+
+def full_cohort(peers: Mapping[str, PeerInfo], joiner: PeerInfo, full_memory_bytes: int) -> list[str]:
+    """The peers `plan` judges after `joiner` for a full replica (unsettled, slower, then by id) that could be one:
+    they hold the model, know their speed and did not ask for a stage. Fastest first."""
+    after = (-joiner.tokens_per_s, joiner.peer_id)
+    cohort = [
+        p for p in peers.values()
+        if p.role not in (ROLE_FULL, ROLE_STAGE) and (-p.tokens_per_s, p.peer_id) > after and p.tokens_per_s > 0
+        and p.memory_bytes >= full_memory_bytes and p.requested_role != REQUEST_STAGE and p.pinned_stage < 0
+    ]  # fmt: skip
+    return [p.peer_id for p in sorted(cohort, key=lambda p: (-p.tokens_per_s, p.peer_id))]
 
 
 def live_assignment(peers: Iterable[PeerInfo], shape: RunShape, links: LinkModel = LinkModel()) -> Assignment:

@@ -330,7 +330,8 @@ def plan(peers: Iterable[PeerInfo], req: Requirements, model: SwarmModel | None 
        starts as full replicas + VRs with at least one holder after step 1, and grows by one each time a joiner
        becomes full. Stage joiners do not count: how many VRs they form is known only after placement, so a batch
        of joiners may be judged against fewer replicas than it ends up with; later joiners see those VRs. With
-       `model`, a joiner is judged against the full replicas so far and the complete VRs.
+       `model`, a joiner is judged against the full replicas so far and the complete VRs (and may count on the
+       joiners judged after it: `auto_plan.MarginalGain.full_gain`).
     4. Stage peers needing a slot are placed greedily, one at a time, ordered by `_placement_order` (direct before
        relayed peers; not plain peer-id order: with id order, 2 fast + 2 slow joiners with ids fast, slow, fast,
        slow would pair fast with slow, because finishing the open VR comes first). Each goes to the best free
