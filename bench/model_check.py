@@ -1,12 +1,13 @@
 """The cost model against a netlab run: predict the run's round from what the lab gave its nodes, compare.
 
 Inputs the model gets, per node: its link rates (the topology's), its training speed (measured in the run:
-tokens over compute seconds, a stage's scaled to the full model by its share of the FLOPs), and the assignment the
-run actually had (roles, virtual replicas and stages from the nodes' metrics headers), and the topology's worst
-round trip as the latency of every link. Nothing is fitted to the run: matchmaking time and protocol overhead are
-the model's defaults (the overhead's default came from the sparseloco run of `make bench-long`, so that row checks
-nothing about bytes). What is compared: the round period (time between a node's successive rounds, median over
-nodes) and the bytes each node sent per round (interface counters).
+tokens over compute seconds, a stage's scaled to the full model by its share of the FLOPs), the assignment the run
+actually had (roles, virtual replicas and stages from the nodes' metrics headers), and its round trip as its record
+would give it (`round_trips_ms`), from which the model estimates every pair's as the nodes do. Nothing is fitted to
+the run: matchmaking time and protocol overhead are the model's defaults (the overhead's default came from the
+sparseloco run of `make bench-long`, so that row checks nothing about bytes). What is compared: the round period
+(time between a node's successive rounds, median over nodes) and the bytes each node sent per round (interface
+counters).
 """
 
 from __future__ import annotations
@@ -50,9 +51,15 @@ def _run_config(run: dict[str, Any]) -> RunConfig | None:
     return None
 
 
+def round_trips_ms(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """Each node's round trip to a peer as close to the core as the best-connected node, 2 × (its access latency +
+    that node's): from these `cost_model.Latency` recovers every pair's, 2 × (l_a + l_b), exactly."""
+    nearest = min((n.get("latency_ms", 0.0) for n in nodes), default=0.0)
+    return {n["name"]: 2 * (n.get("latency_ms", 0.0) + nearest) for n in nodes}
+
+
 def worst_rtt_ms(nodes: list[dict[str, Any]]) -> float:
-    """The longest round trip between two of the run's nodes (twice their summed access latencies): the model takes
-    one round trip for every link, and the slowest pair is the one a pipeline boundary or a relay hop waits on."""
+    """The longest round trip between two of the run's nodes (twice their summed access latencies)."""
     latencies = sorted((n.get("latency_ms", 0.0) for n in nodes), reverse=True)
     return 2 * sum(latencies[:2])
 
@@ -67,15 +74,15 @@ def check_run(run: dict[str, Any]) -> dict[str, Any] | None:
     assignment = _assignment(run["nodes"], shape.stages)
     if assignment is None or not assignment.replicas or not all(n["rounds"] for n in run["nodes"]):
         return None
-    peers = {}
+    peers, rtts = {}, round_trips_ms(run["nodes"])
     for n in run["nodes"]:
         header, rounds = n["header"], n["rounds"]
         share = shape.stage_compute_share[header["stage"]] if header.get("role") == "stage" else 1.0
         speed = share * sum(r["tokens"] for r in rounds) / max(sum(r["compute_s"] for r in rounds), 1e-9)
         memory = 10**12  # the run's own assignment is checked, not the memory the node advertised
-        peers[n["name"]] = PeerInfo(n["name"], memory, n["up_mbit"], n["down_mbit"], speed)
+        peers[n["name"]] = PeerInfo(n["name"], memory, n["up_mbit"], n["down_mbit"], speed, rtt_ms=rtts[n["name"]])
     rtt_ms = worst_rtt_ms(run["nodes"])
-    prediction = predict_round(peers, assignment, shape, LinkModel(rtt_ms=rtt_ms))
+    prediction = predict_round(peers, assignment, shape, LinkModel())
     periods = [p for p in (_period(n["rounds"]) for n in run["nodes"]) if p is not None]
     measured_period = statistics.median(periods) if periods else None
     sent = {n["name"]: n["wire_bytes_sent"] / len(n["rounds"]) for n in run["nodes"]}

@@ -338,7 +338,11 @@ def _cost_model_table(checks: dict[str, dict[str, Any]]) -> list[str]:
             f"{_fmt(c['round_error'], '+.0%')} | {per_node} |"
         )
     rtt = max(c.get("rtt_ms", 0.0) for c in checks.values())
-    latency = f"{rtt:g} ms round trips on every link (the worst pair's)" if rtt else "no latency"
+    latency = (
+        f"each pair's round trip from its nodes' access latencies (the worst pair's: {rtt:g} ms)"
+        if rtt
+        else "no latency"
+    )
     note = ("Inputs: each node's link and measured training speed, the run's own assignment, "
             f"{latency}; the model's defaults (matchmaking 1 s, 0.53 MB protocol overhead per node per round). "
             "Bytes: interface counters.")  # fmt: skip

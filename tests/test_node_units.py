@@ -260,7 +260,7 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
     peer = {
         "peer_id": "QmcgHdjLUSS8Y13rwEVKo1jv1C1jsGagSLEqoc36YMKx4Z", "role": "stage", "vr": 0, "stage": 1,
         "gpus": [{"name": "RTX 3060", "memory_gb": 12.0}], "devices": 1, "cpu_cores": 8, "memory_gb": 11.5,
-        "upload_mbps": 48.0,
+        "upload_mbps": 48.0, "rtt_ms": 83.9,
         "download_mbps": 95.0, "tokens_per_s": 0.0, "round": 3, "loss": 3.25, "last_seen_s": 2.0, "view": "ab",
     }  # fmt: skip
     snapshot = {
@@ -271,6 +271,7 @@ def test_status_view_shows_peers_missing_stages_and_agreement() -> None:
     console.print(render(snapshot))
     text = console.export_text()
     assert peer["peer_id"] not in text and "36YMKx4Z" in text and "RTX 3060" in text and "48/95" in text
+    assert "rtt ms" in text and "│     84 │" in text  # the round trip to the bootstrap its record gives
     assert "missing stages" in text and "│ 0  " in text and "see the same plan: yes" in text
     marked = {**snapshot, "peers": [{**peer, "gpus": [{"name": "[/bold]", "memory_gb": 1.0}]}]}
     console.print(render(marked))  # a peer's GPU name is text, never markup (it once crashed the view)

@@ -319,7 +319,7 @@ class Latency:
     """An unmeasured node's round trip."""
     core_ms: float = 0.0
     typical_ms: float = 0.0
-    """The median node's round trip: the far end of an exchange hop, which relays among all members."""
+    """The (lower) median node's round trip: the far end of an exchange hop, which relays among all members."""
 
     @classmethod
     def of(cls, peers: Iterable[PeerInfo], links: LinkModel) -> Latency:
@@ -328,7 +328,7 @@ class Latency:
         own = sorted(f or default for f in figures)
         if not own:
             return cls(default, default, default)
-        return cls(default, own[0], own[len(own) // 2])
+        return cls(default, own[0], own[(len(own) - 1) // 2])
 
     def own_ms(self, peer: PeerInfo) -> float:
         return peer.rtt_ms or self.default_ms
