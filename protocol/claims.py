@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hetero_node.protocol.records import PeerRecord
+from hetero_node.protocol.roles import ROLE_STAGE
 
 CLAIM_SLACK = 4.0
 """A claim counts if it is at most this many times what the claimant's advertised speed allows: speeds are averages
@@ -58,11 +59,13 @@ def tokens_ceiling(window: RoundWindow, tokens_per_s: float, step_s: float, devi
 
 def implausible_claims(claims: Mapping[str, int], records: Mapping[str, PeerRecord], window: RoundWindow) -> set[str]:
     """The authors of `claims` (author → tokens) who claim more than their records' speed allows in `window`. An
-    author without a record, or whose record advertises no speed, is not judged here."""
+    author without a record, whose record advertises no speed, or that is a stage peer, is not judged here: a stage
+    advertises its node's speed at the whole model (what the planner prices), not its pipeline's, which claims a
+    virtual replica's tokens."""
     implausible = set()
     for author, tokens in claims.items():
         record = records.get(author)
-        if record is None:
+        if record is None or record.role == ROLE_STAGE:
             continue
         ceiling = tokens_ceiling(window, record.tokens_per_s, record.step_s, record.devices)
         if ceiling is not None and tokens > ceiling:

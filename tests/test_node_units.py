@@ -19,12 +19,14 @@ from hivemind.p2p import PeerID
 
 from hetero_node.client.cli.demo import DemoConfig, summarize
 from hetero_node.client.cli.demo import run_args as demo_run_args
-from hetero_node.client.node.join import role_for_run
+from hetero_node.client.node.capabilities import measure_stage_throughput, measure_throughput
+from hetero_node.client.node.join import role_for_run, timed_stage
 from hetero_node.client.node.run_definition import public_swarm_rule
 from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, CheckpointWriter, load_checkpoint, save_checkpoint
 from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
+from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.record_reader import MAX_RECORD_LIFETIME_S, latest_valid_records
 from hetero_node.client.swarm.work_ledger import WorkLedger
@@ -422,3 +424,19 @@ def test_an_ahead_of_time_import_that_fails_is_logged_at_debug_not_raised(caplog
     with caplog.at_level(logging.DEBUG, logger="hetero_node.client.node.join"):
         import_quietly(("json", "hetero_node_no_such_module", "csv"))  # stops at the failure, raises nothing
     assert "importing hetero_node_no_such_module ahead of time stopped" in caplog.text
+
+
+def test_a_node_too_small_for_the_model_times_the_stage_it_would_hold_as_the_whole_models_speed() -> None:
+    """What the planner prices a pipeline of home nodes with: each stage's speed, scaled by its share of the FLOPs,
+    lands near the whole model's on the same device (unscaled, a quarter-model stage would look 4× faster). The heaviest
+    stage a node fits is the one it times; a pin, its pinned stage."""
+    run = run_config(inner_steps=20)
+    run = dataclasses.replace(run, outer=dataclasses.replace(run.outer, stages=4))
+    shape = RunShape.from_run(run)
+    full = measure_throughput(run, torch.device("cpu"), steps=3)
+    for stage in range(4):
+        scaled = measure_stage_throughput(run, torch.device("cpu"), stage, shape.stage_compute_share[stage], steps=3)
+        assert full / 2 < scaled < 2 * full, (stage, scaled, full)
+    everything = max(shape.stage_memory_bytes)
+    assert timed_stage(shape, everything, -1) == 3  # the last stage carries the head: the most FLOPs
+    assert timed_stage(shape, everything, 1) == 1 and timed_stage(shape, 0, -1) is None

@@ -25,7 +25,7 @@ from hetero_node.client.monitor.health import Health
 from hetero_node.client.monitor.http_server import MonitorServer
 from hetero_node.client.monitor.node_metrics import NodeMetrics
 from hetero_node.client.node.bandwidth import joins_as_dht_client, node_bandwidth
-from hetero_node.client.node.capabilities import measure_throughput, probe_hardware
+from hetero_node.client.node.capabilities import measure_stage_throughput, measure_throughput, probe_hardware
 from hetero_node.client.node.round_trip import node_round_trip_ms
 from hetero_node.client.node.run_definition import adopt_announced_run, fetch_run_announcement, prepare_run
 from hetero_node.client.roles.leaving import leave_on_signals
@@ -35,7 +35,6 @@ from hetero_node.client.swarm.addresses import identity_taken
 from hetero_node.client.swarm.auto_plan import MarginalGain, requirements
 from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.membership import Membership
-from hetero_node.client.swarm.planner import Requirements
 from hetero_node.client.swarm.reachability import reachable_runtime
 from hetero_node.client.swarm.runtime import PeerRuntime
 from hetero_node.client.swarm.twin_check import live_twin
@@ -59,7 +58,7 @@ def bandwidth_cache() -> Path:
 
 
 def _initial_record(
-    runtime: PeerRuntime, run: RunConfig, req: Requirements, node: NodeConfig, requested_role: str, pinned_stage: int,
+    runtime: PeerRuntime, run: RunConfig, shape: RunShape, node: NodeConfig, requested_role: str, pinned_stage: int,
     devices: list[torch.device],
 ) -> PeerRecord:  # fmt: skip
     """Measure this node (on `devices`, its local ranks' devices) and describe it as a PeerRecord (role still
@@ -67,7 +66,8 @@ def _initial_record(
     hardware = probe_hardware(devices[0], node.memory_gb)  # each local rank holds the whole model
     bandwidth = node_bandwidth(runtime, node.bandwidth_mbps, bandwidth_cache(), node.remeasure_bandwidth)
     rtt_ms = node_round_trip_ms(runtime)
-    fits = hardware.memory_gb * 1e9 >= req.full_memory_bytes
+    fits = hardware.memory_gb * 1e9 >= shape.full_memory_bytes
+    stage = timed_stage(shape, hardware.memory_gb * 1e9, pinned_stage)
     throughput, step_s = 0.0, 0.0
     if fits and requested_role != REQUEST_STAGE:
         kept = load_speed(node.checkpoint_dir, speed_key(run, node, devices))
@@ -78,6 +78,8 @@ def _initial_record(
             throughput = measure_throughput(run, devices[0])
             step_s = run.batch_size * run.seq_len / throughput + node.step_delay_s
             throughput *= len(devices)  # an estimate (a step of each rank at once) until the first round measures it
+    elif stage is not None:  # a stage node: the whole model's speed as its stage shows it (step_s stays a replica's)
+        throughput = measure_stage_throughput(run, devices[0], stage, shape.stage_compute_share[stage])
     return PeerRecord(
         peer_id=str(runtime.peer_id),
         addrs=runtime.advertised_addrs[:16],
@@ -112,6 +114,15 @@ def _initial_record(
         written_at=0.0,  # set when stored
         member_proof=member_proof(runtime.swarm_key, str(runtime.peer_id)),
     )
+
+
+def timed_stage(shape: RunShape, memory_bytes: float, pinned_stage: int) -> int | None:
+    """The stage a node that holds no full replica times its speed on: its pin, else the heaviest it fits (None:
+    none fits)."""
+    fits = [s for s in range(shape.stages) if shape.stage_memory_bytes[s] <= memory_bytes]
+    if pinned_stage >= 0:
+        return pinned_stage if pinned_stage in fits else None
+    return max(fits, key=lambda s: (shape.stage_compute_share[s], -s), default=None)
 
 
 def role_for_run(run: RunConfig, requested_role: str, devices: int = 1) -> str:
@@ -226,7 +237,7 @@ def run_node(
         on_status(f"run {run.run_id}: measuring this node")
         shape = RunShape.from_run(run)
         req = requirements(shape)
-        record = _initial_record(runtime, run, req, node, requested_role, pinned_stage, devices)
+        record = _initial_record(runtime, run, shape, node, requested_role, pinned_stage, devices)
         if twin is not None and twin.result() and identity is not None:  # checked while this node was measured
             raise ConfigError(identity_taken(identity))
         membership = Membership(runtime, req, record, node.record_refresh_s, node.settle_s, stop, MarginalGain(shape))
