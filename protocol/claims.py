@@ -59,15 +59,16 @@ def tokens_ceiling(window: RoundWindow, tokens_per_s: float, step_s: float, devi
 
 def implausible_claims(claims: Mapping[str, int], records: Mapping[str, PeerRecord], window: RoundWindow) -> set[str]:
     """The authors of `claims` (author → tokens) who claim more than their records' speed allows in `window`. An
-    author without a record, whose record advertises no speed, or that is a stage peer, is not judged here: a stage
-    advertises its node's speed at the whole model (what the planner prices), not its pipeline's, which claims a
-    virtual replica's tokens."""
+    author without a record, or whose record advertises no speed, is not judged here. A stage peer's advertised
+    tokens/s is its node's speed at the whole model (what the planner prices), not its pipeline's, whose tokens it
+    claims: only its measured step time and the untimed round's H steps bound it."""
     implausible = set()
     for author, tokens in claims.items():
         record = records.get(author)
-        if record is None or record.role == ROLE_STAGE:
+        if record is None:
             continue
-        ceiling = tokens_ceiling(window, record.tokens_per_s, record.step_s, record.devices)
+        advertised = 0.0 if record.role == ROLE_STAGE else record.tokens_per_s
+        ceiling = tokens_ceiling(window, advertised, record.step_s, record.devices)
         if ceiling is not None and tokens > ceiling:
             implausible.add(author)
     return implausible

@@ -78,8 +78,8 @@ class PeerRecord(pydantic.BaseModel):
     download_mbps: confloat(strict=True, ge=0, le=MAX_MBPS)  # type: ignore[valid-type]
     bandwidth_source: constr(strict=True, regex=r"^(measured|override|unknown)$")  # type: ignore[valid-type]
     rtt_ms: confloat(strict=True, ge=0, le=MAX_RTT_MS)  # type: ignore[valid-type]
-    """Round trip to the peer it measured its link against (its first initial peer that serves probes: the bootstrap,
-    usually), in ms (0: not measured). The planner prices each pipeline boundary and exchange hop with it."""
+    """Round trip to its first initial peer that answers pings (the bootstrap, usually), in ms (0: not measured). The
+    planner prices each pipeline boundary and exchange hop with it."""
     tokens_per_s: confloat(strict=True, ge=0, le=1e9)  # type: ignore[valid-type]
     role: constr(strict=True, regex=f"^({'|'.join(ROLES)})$")  # type: ignore[valid-type]
     requested_role: constr(strict=True, regex=f"^({'|'.join(REQUESTED_ROLES)})$")  # type: ignore[valid-type]

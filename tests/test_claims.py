@@ -51,10 +51,14 @@ def test_a_claim_beyond_the_advertised_speed_is_refused_and_unknown_speeds_are_n
     records = {pid: peer_record(pid, tokens_per_s=BATCH_TOKENS / step_s, step_s=step_s) for pid in ("honest", "liar")}
     records["unknown"] = peer_record("unknown", tokens_per_s=0.0, step_s=0.0)
     records["extreme"] = peer_record("extreme", tokens_per_s=1e9, step_s=1e-9)  # schema-valid extremes: no crash
-    # a stage advertises its node's speed at the whole model; it claims its pipeline's tokens: not judged by it
-    records["stage"] = peer_record("stage", role="stage", tokens_per_s=BATCH_TOKENS / step_s / 4, step_s=0.0)
+    # a stage advertises its node's speed at the whole model and claims its pipeline's tokens: its step time and the
+    # untimed round's H steps bound it, never the advertised figure (here a quarter of its pipeline's speed)
+    records["stage"] = peer_record("stage", role="stage", tokens_per_s=BATCH_TOKENS / step_s / 4, step_s=step_s)
+    records["stageliar"] = peer_record("stageliar", role="stage", tokens_per_s=1e9, step_s=step_s)
     claims = {"honest": honest, "liar": 1 << 40, "unknown": 1 << 40, "absent": 1 << 40, "extreme": 1 << 40}
-    assert implausible_claims({**claims, "stage": 2 * honest}, records, TIMED) == {"liar"}
+    claims |= {"stage": honest, "stageliar": 1 << 40}
+    assert implausible_claims(claims, records, TIMED) == {"liar", "stageliar"}
+    assert implausible_claims({"stageliar": 1 << 40}, records, untimed) == {"stageliar"}
 
 
 @pytest.mark.multipeer

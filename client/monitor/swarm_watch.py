@@ -104,7 +104,7 @@ class SwarmWatcher(Collector):
         yield GaugeMetricFamily("hetero_node_swarm_round", "Highest round a full replica holds.", snapshot["round"])
         yield GaugeMetricFamily(
             "hetero_node_swarm_tokens_per_second",
-            "Sum of the peers' advertised training throughput.",
+            "Sum of the peers' advertised training throughput (a stage peer's: its node's, at the whole model).",
             sum(p["tokens_per_s"] for p in snapshot["peers"]),
         )
         replicas = GaugeMetricFamily(

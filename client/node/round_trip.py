@@ -1,8 +1,8 @@
 """Measure this node's round trip to the swarm: the time an empty request takes to its first initial peer and back.
 
-The planner prices every pipeline boundary and relay hop with it (`client/swarm/cost_model.py: pair_rtt_ms`): a
+The planner prices every pipeline boundary and relay hop with it (`client/swarm/cost_model.py: Latency`): a
 pipeline whose stages sit 140 ms apart waits that long per microbatch trip, which no bandwidth figure shows. The
-far end is the peer the node measured its bandwidth against (the bootstrap, usually), so every record's figure is
+far end is the node's first initial peer that answers pings (the bootstrap, usually), so every record's figure is
 taken to the same place. The smallest of a few samples after a warm-up call is the path's own delay, not a
 scheduler's hiccup; the first call also opens the stream, which later calls reuse. Cheap (a few round trips), so it
 is measured at every start, never cached: a laptop that moved networks reports where it is now.

@@ -107,10 +107,10 @@ class MarginalGain:
         """With the joiners still to be judged after it that could be full replicas too (`full_cohort`): one A100
         beside 50 H100s lengthens every round with its slower exchange for a few tokens, while 50 of them stretch
         the round and pay; judged alone, each would be refused."""
-        cohort = full_cohort(peers, joiner, self.shape.full_memory_bytes)
-        sizes = count_grid(len(cohort))
-        sizes = [0, *sizes[:0:-1]]  # alone first, then the whole cohort: the answers that are usually decisive
-        options = [Assignment((*full, joiner.peer_id, *cohort[:m]), virtual) for m in sizes]
+        cohort = full_cohort(peers, self.shape.full_memory_bytes)
+        at = cohort.index(joiner.peer_id) + 1 if joiner.peer_id in cohort else len(cohort)
+        ends = [at, *(e for e in reversed(count_grid(len(cohort))) if e > at)]  # alone, then the whole cohort first
+        options = [Assignment((*full, joiner.peer_id, *cohort[at:end]), virtual) for end in ends]
         return self._gain(peers, Assignment(full, virtual), options, joiner)
 
     def pipeline_gain(
@@ -148,14 +148,15 @@ class MarginalGain:
         )
 
 
-def full_cohort(peers: Mapping[str, PeerInfo], joiner: PeerInfo, full_memory_bytes: int) -> list[str]:
-    """The peers `plan` judges after `joiner` for a full replica (unsettled, slower, then by id) that could be one:
-    they hold the model, know their speed and did not ask for a stage. Fastest first."""
-    after = (-joiner.tokens_per_s, joiner.peer_id)
+def full_cohort(peers: Mapping[str, PeerInfo], full_memory_bytes: int) -> list[str]:
+    """The unsettled peers that could be full replicas (they hold the model, know their speed and did not ask for a
+    stage), in the order `plan` judges them: fastest first, then by id. A joiner counts on a prefix of the ones after
+    it that ends where the grid of this whole list ends (`count_grid`), so each of them, judged next, can count on
+    the rest of that prefix: a joiner taken for a group is never left alone by a grid that skips its group's end."""
     cohort = [
         p for p in peers.values()
-        if p.role not in (ROLE_FULL, ROLE_STAGE) and (-p.tokens_per_s, p.peer_id) > after and p.tokens_per_s > 0
-        and p.memory_bytes >= full_memory_bytes and p.requested_role != REQUEST_STAGE and p.pinned_stage < 0
+        if p.role not in (ROLE_FULL, ROLE_STAGE) and p.tokens_per_s > 0 and p.memory_bytes >= full_memory_bytes
+        and p.requested_role != REQUEST_STAGE and p.pinned_stage < 0
     ]  # fmt: skip
     return [p.peer_id for p in sorted(cohort, key=lambda p: (-p.tokens_per_s, p.peer_id))]
 
@@ -194,7 +195,7 @@ def _fullable(peers: Mapping[str, PeerInfo], shape: RunShape) -> list[str]:
     return [p.peer_id for p in sorted(fit, key=lambda p: (-p.tokens_per_s, p.peer_id))]
 
 
-def _groups(pool: list[PeerInfo], shape: RunShape, links: LinkModel) -> list[tuple[str, ...]]:
+def _groups(pool: list[PeerInfo], shape: RunShape, latency: Latency) -> list[tuple[str, ...]]:
     """Complete stage groups, fastest predicted step first. Nodes are taken in link order (similar links together)
     and each joins the oldest open group with a free stage it fits, the most demanding such stage first (so nodes
     with memory to spare take the stages that need it); incomplete groups at the end are dropped."""
@@ -216,16 +217,16 @@ def _groups(pool: list[PeerInfo], shape: RunShape, links: LinkModel) -> list[tup
             open_groups.remove(group)
             groups.append(_stage_order([p for p in group if p], shape))
     by_id = {p.peer_id: p for p in pool}
-    latency = Latency.of(pool, links)
     return sorted(groups, key=lambda g: virtual_step_s([by_id[p] for p in g], shape, latency))
 
 
 def _assignments(peers: Mapping[str, PeerInfo], shape: RunShape, links: LinkModel) -> Iterable[Assignment]:
     fullable = _fullable(peers, shape)
+    latency = Latency.of(peers.values(), links)  # the model's own estimate, whichever nodes a group has
     for f in count_grid(len(fullable)):
         full = fullable[:f]
         taken = set(full)
-        groups = _groups([p for p in peers.values() if p.peer_id not in taken], shape, links)
+        groups = _groups([p for p in peers.values() if p.peer_id not in taken], shape, latency)
         for v in count_grid(len(groups)):
             if f or v:
                 yield Assignment(tuple(full), tuple(groups[:v]))

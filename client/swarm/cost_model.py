@@ -319,16 +319,19 @@ class Latency:
     """An unmeasured node's round trip."""
     core_ms: float = 0.0
     typical_ms: float = 0.0
-    """The (lower) median node's round trip: the far end of an exchange hop, which relays among all members."""
+    """The (lower) median exchange member's round trip: the far end of an exchange hop, which relays among them."""
 
     @classmethod
-    def of(cls, peers: Iterable[PeerInfo], links: LinkModel) -> Latency:
+    def of(cls, peers: Iterable[PeerInfo], links: LinkModel, members: Iterable[PeerInfo] | None = None) -> Latency:
+        """From every record (`peers`: the core and an unmeasured node's figure) and the exchange's `members`
+        (its typical member; all of `peers` when None)."""
+        peers = list(peers)
         figures = [p.rtt_ms for p in peers]
         default = links.rtt_ms or min((f for f in figures if f > 0), default=0.0)
         own = sorted(f or default for f in figures)
-        if not own:
-            return cls(default, default, default)
-        return cls(default, own[0], own[(len(own) - 1) // 2])
+        exchanging = own if members is None else sorted(p.rtt_ms or default for p in members)
+        core = own[0] if own else default
+        return cls(default, core, exchanging[(len(exchanging) - 1) // 2] if exchanging else core)
 
     def own_ms(self, peer: PeerInfo) -> float:
         return peer.rtt_ms or self.default_ms
@@ -403,7 +406,8 @@ def predict_round(
     peers: Mapping[str, PeerInfo], assignment: Assignment, shape: RunShape, links: LinkModel = LinkModel()
 ) -> RoundPrediction:
     """The model's round for this assignment (see the module docstring). Unknown peer ids are a KeyError."""
-    latency = Latency.of(peers.values(), links)
+    exchanging = [*assignment.full, *(p for vr in assignment.virtual for p in vr)]
+    latency = Latency.of(peers.values(), links, [peers[p] for p in exchanging])
     paces = [(full_step_s(peers[p], shape), 0.0) for p in assignment.full]
     paces += [accumulated_pace([peers[p] for p in vr], shape, latency) for vr in assignment.virtual]
     step_s = [per_batch + per_step for per_batch, per_step in paces]  # a step of one batch

@@ -80,7 +80,7 @@ class PeerInfo:
     pinned_stage: int = -1  # --stage N: only this stage
     claimed_at: float = 0.0  # DHT time of this stage peer's claim on its slot: the earliest claim keeps a slot
     relayed: bool = False  # reachable only through a circuit relay (its link figures are then its share of the relay's)
-    rtt_ms: float = 0.0  # round trip to the peer it measured its link against (0: not measured; `cost_model.Latency`)
+    rtt_ms: float = 0.0  # round trip to its first initial peer (0: not measured; `cost_model.Latency`)
 
     @property
     def claim_order(self) -> tuple[float, str]:
