@@ -141,10 +141,10 @@ class MarginalGain:
         assert after is not None, "no option to judge"
         others = best.replicas - now.replicas - 1
         company = f" and {others} more joining after it" if others else ""
+        replicas = f"{others + 1} more replicas" if others else "one more replica"
         return after.tokens_per_s > before, (
-            f"with {what}{company} as {f'{others + 1} more replicas' if others else 'one more replica'} the swarm's "
-            f"predicted tokens/s go "
-            f"{before:,.0f} → {after.tokens_per_s:,.0f} (round {after.round_s:.3g} s)"
+            f"with {what}{company} as {replicas} the swarm's predicted tokens/s go {before:,.0f} → "
+            f"{after.tokens_per_s:,.0f} (round {after.round_s:.3g} s)"
         )
 
 
