@@ -274,6 +274,26 @@ def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_wou
     assert together > predict_round(everyone, Assignment(tuple(p.peer_id for p in h100s)), shape, links).tokens_per_s
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_batch_of_joiners_taken_as_groups_never_leaves_the_full_replicas_slower_than_before(seed: int) -> None:
+    """A joiner may be taken for a group of the ones after it (`full_cohort`); the next ones must then be able to
+    complete that group, or the first would stay a full replica that costs the swarm. Random batches of 10–20
+    joiners on slow and fast links beside 1–4 settled full replicas, rounds stretched as the protocol stretches
+    them: the full replicas the plan ends with predict at least the settled ones' tokens/s."""
+    shape = dataclasses.replace(SHAPE, target_utilisation=0.9)
+    links = LinkModel(matchmaking_s=0.5, overhead_bytes=0)
+    rng = random.Random(seed)
+    settled = [PeerInfo(f"s{i}", 16 * GB, rng.choice([8, 50]), rng.choice([8, 50]), rng.choice([100, 200]),
+                        role=ROLE_FULL) for i in range(rng.randint(1, 4))]  # fmt: skip
+    joiners = [PeerInfo(f"j{i:02d}", 16 * GB, rng.choice([0.005, 0.02, 0.1, 1.0]), rng.choice([0.02, 1, 8]),
+                        rng.choice([10, 30, 60, 100])) for i in range(rng.randint(10, 20))]  # fmt: skip
+    peers = {p.peer_id: p for p in [*settled, *joiners]}
+    result = plan(list(peers.values()), requirements(shape), MarginalGain(shape, links))
+    full = tuple(p for p, role in result.roles.items() if role == ROLE_FULL)
+    before = predict_round(peers, Assignment(tuple(p.peer_id for p in settled)), shape, links).tokens_per_s
+    assert predict_round(peers, Assignment(full), shape, links).tokens_per_s >= before
+
+
 def test_the_live_planner_keeps_the_labs_edge_pipeline_which_the_model_says_pays() -> None:
     """The netlab's `hetero` swarm: two datacenter full replicas, and the edge nodes' pipeline adds tokens/s by the
     model, so the live planner places it rather than putting the edge nodes on standby."""
