@@ -432,10 +432,11 @@ def test_a_node_too_small_for_the_model_times_the_stage_it_would_hold_as_the_who
     stage a node fits is the one it times; a pin, its pinned stage."""
     run = run_config(inner_steps=20)
     run = dataclasses.replace(run, outer=dataclasses.replace(run.outer, stages=4))
-    shape = RunShape.from_run(run)
-    full = measure_throughput(run, torch.device("cpu"), steps=3)
+    shape, cpu = RunShape.from_run(run), torch.device("cpu")
+    full = max(measure_throughput(run, cpu, steps=3) for _ in range(3))  # a hiccup only slows: the best of three
     for stage in range(4):
-        scaled = measure_stage_throughput(run, torch.device("cpu"), stage, shape.stage_compute_share[stage], steps=3)
+        share = shape.stage_compute_share[stage]
+        scaled = max(measure_stage_throughput(run, cpu, stage, share, steps=3) for _ in range(3))
         assert full / 2 < scaled < 2 * full, (stage, scaled, full)
     everything = max(shape.stage_memory_bytes)
     assert timed_stage(shape, everything, -1) == 3  # the last stage carries the head: the most FLOPs
