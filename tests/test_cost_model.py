@@ -488,8 +488,8 @@ def test_plan_prints_the_optimised_plan_next_to_the_live_planner_and_writes_json
 
     swarm = tmp_path / "swarm.toml"
     swarm.write_text(
-        '[[node]]\nname = "dc"\ncount = 2\ntokens_per_s = 2500\nmemory_gb = 8\nup_mbit = 1000\n'
-        '[[node]]\nname = "edge"\ncount = 2\ntokens_per_s = 2500\nmemory_gb = 0.04\nup_mbit = 50\n'
+        '[[node]]\nname = "dc"\ncount = 2\ntokens_per_s = 2500\nmemory_gb = 8\nup_mbit = 1000\nrtt_ms = 20\n'
+        '[[node]]\nname = "edge"\ncount = 2\ntokens_per_s = 2500\nmemory_gb = 0.04\nup_mbit = 50\nrtt_ms = 80\n'
     )
     out_json = tmp_path / "plan.json"
     args = (
@@ -510,6 +510,9 @@ def test_plan_prints_the_optimised_plan_next_to_the_live_planner_and_writes_json
     assert "optimised" in out and "the live planner" in out and "edge-" in out
     plan = json.loads(out_json.read_text())
     assert plan["full"] == ["dc-0", "dc-1"] and sorted(plan["virtual"][0]) == ["edge-0", "edge-1"]  # 40 MB: stages
+    assert plan["virtual_round_trips_ms"] == [140]  # 80 + 80 − 20: the boundary as the model priced it
+    virtual_row = next(line for line in out.splitlines() if "edge-" in line)  # narrow terminals wrap the rest
+    assert "boundary" in out and virtual_row.rstrip("│ ").endswith("140")  # the replicas table's last column
     assert plan["best"]["inner_steps"] == 20 and plan["best"]["tokens_per_s"] >= 0.98 * plan["live"]["tokens_per_s"]
     code, _, err = run_main(monkeypatch, capsys, "plan", "--preset", "tiny")
     assert code == 1

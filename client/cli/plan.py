@@ -187,6 +187,7 @@ def plan_json(result: AutoPlan, peers: dict[str, PeerInfo]) -> dict[str, Any]:
         "live": choice_summary(result.live, peers),
         "full": list(best.assignment.full),
         "virtual": [list(vr) for vr in best.assignment.virtual],
+        "virtual_round_trips_ms": result.boundary_round_trips_ms(peers),
         "idle": list(result.idle),
         "nodes": {k: vars(v) for k, v in best.prediction.nodes.items()},
     }
@@ -227,9 +228,11 @@ def print_plan(
     console.print(summary)
     table = Table(title="replicas (optimised plan)")
     for column in ("replica", "nodes (stage order)", "steps (batches) / rounds", "compute s", "exchange s", "MB up",
-                   "MB down"):  # fmt: skip
+                   "MB down", "boundary RTT ms"):  # fmt: skip
         table.add_column(column, justify="left" if column.startswith(("replica", "nodes")) else "right")
     prediction = result.best.prediction
+    first_virtual = len(result.best.assignment.full)  # replicas are numbered full ones first
+    trips = {first_virtual + v: ms for v, ms in enumerate(result.boundary_round_trips_ms(peers))}
     replicas: dict[int, list[str]] = {}
     for peer_id, node in prediction.nodes.items():
         replicas.setdefault(node.replica, []).append(peer_id)
@@ -240,6 +243,7 @@ def print_plan(
             f"{replica} ({kind})", ", ".join(members), f"{nodes[0].steps} ({nodes[0].batches}) / {nodes[0].every}",
             f"{max(n.compute_s for n in nodes):.1f}", f"{max(n.exchange_s for n in nodes):.1f}",
             _mb(max(n.bytes_up for n in nodes)), _mb(max(n.bytes_down for n in nodes)),
+            f"{trips[replica]:,.0f}" if replica in trips else "",
         )  # fmt: skip
     console.print(table)
     if len(replicas) > cfg.rows:

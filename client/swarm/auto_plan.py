@@ -67,6 +67,13 @@ class AutoPlan:
     best: Choice
     live: Choice  # what the live planner (`plan` with `MarginalGain`) makes of the nodes, at the run's rank and H
     idle: tuple[str, ...]  # nodes the best plan leaves out
+    links: LinkModel = field(default_factory=LinkModel)  # what the plan was made with
+
+    def boundary_round_trips_ms(self, peers: Mapping[str, PeerInfo]) -> list[float]:
+        """Each of the best plan's virtual replicas' round trips across its boundaries, as the model priced them."""
+        used = [*self.best.assignment.full, *(p for vr in self.best.assignment.virtual for p in vr)]
+        latency = Latency.of(peers.values(), self.links, [peers[p] for p in used])
+        return [1e3 * latency.boundaries_s([peers[p] for p in vr]) for vr in self.best.assignment.virtual]
 
     def weak_scaling(self, peers: Mapping[str, PeerInfo]) -> float:
         """Swarm tokens/s over the sum of every node's solo full-model tokens/s."""
@@ -277,4 +284,4 @@ def auto_plan(
     final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
     best = _choose(final)
     used = set(best.assignment.full) | {p for vr in best.assignment.virtual for p in vr}
-    return AutoPlan(best, live, tuple(sorted(set(by_id) - used)))
+    return AutoPlan(best, live, tuple(sorted(set(by_id) - used)), links)
