@@ -56,14 +56,15 @@ def measure_stage_throughput(run: RunConfig, device: torch.device, stage: int, s
     optimizer = torch.optim.AdamW(module.parameters(), lr=run.optim.lr)
     generator = torch.Generator().manual_seed(run.seed)
     tokens = torch.randint(0, run.vocab_size, (run.batch_size, run.seq_len), generator=generator).to(device)
-    hidden = torch.randn(run.batch_size, run.seq_len, cfg.d_model, generator=generator).to(device)
-    x = tokens if stage == 0 else hidden.requires_grad_()
+    hidden, gradient = (torch.randn(run.batch_size, run.seq_len, cfg.d_model, generator=generator).to(device)
+                        for _ in range(2))  # fmt: skip
+    x = tokens if stage == 0 else hidden.requires_grad_()  # a later stage sends its input's gradient back
     last = stage == run.outer.stages - 1
 
     def step() -> None:
         with autocast_context(device):
             y = module(x)
-        loss = F.cross_entropy(y.float().flatten(0, 1), tokens.flatten()) if last else (y.float() * hidden).sum()
+        loss = F.cross_entropy(y.float().flatten(0, 1), tokens.flatten()) if last else (y.float() * gradient).sum()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -71,8 +71,7 @@ class AutoPlan:
 
     def boundary_round_trips_ms(self, peers: Mapping[str, PeerInfo]) -> list[float]:
         """Each of the best plan's virtual replicas' round trips across its boundaries, as the model priced them."""
-        used = [*self.best.assignment.full, *(p for vr in self.best.assignment.virtual for p in vr)]
-        latency = Latency.of(peers.values(), self.links, [peers[p] for p in used])
+        latency = Latency.of(peers.values(), self.links, [peers[p] for p in self.best.assignment.nodes])
         return [1e3 * latency.boundaries_s([peers[p] for p in vr]) for vr in self.best.assignment.virtual]
 
     def weak_scaling(self, peers: Mapping[str, PeerInfo]) -> float:
@@ -283,5 +282,5 @@ def auto_plan(
     chosen = _choose([c for c in settings if c is not None] + pool)
     final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
     best = _choose(final)
-    used = set(best.assignment.full) | {p for vr in best.assignment.virtual for p in vr}
+    used = set(best.assignment.nodes)
     return AutoPlan(best, live, tuple(sorted(set(by_id) - used)), links)

@@ -205,6 +205,11 @@ class Assignment:
     def replicas(self) -> int:
         return len(self.full) + len(self.virtual)
 
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node it uses: full replicas, then stage holders."""
+        return (*self.full, *(p for vr in self.virtual for p in vr))
+
 
 @dataclass(frozen=True)
 class NodeRound:
@@ -406,8 +411,7 @@ def predict_round(
     peers: Mapping[str, PeerInfo], assignment: Assignment, shape: RunShape, links: LinkModel = LinkModel()
 ) -> RoundPrediction:
     """The model's round for this assignment (see the module docstring). Unknown peer ids are a KeyError."""
-    exchanging = [*assignment.full, *(p for vr in assignment.virtual for p in vr)]
-    latency = Latency.of(peers.values(), links, [peers[p] for p in exchanging])
+    latency = Latency.of(peers.values(), links, [peers[p] for p in assignment.nodes])
     paces = [(full_step_s(peers[p], shape), 0.0) for p in assignment.full]
     paces += [accumulated_pace([peers[p] for p in vr], shape, latency) for vr in assignment.virtual]
     step_s = [per_batch + per_step for per_batch, per_step in paces]  # a step of one batch
