@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetero_node.bench.sim_cadence import SLOW_RULES
+from hetero_node.bench.sim_cadence import SLOW_RULES, SLOW_STEPS
 from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError, positive_int_list, require_positive
 
@@ -462,6 +462,14 @@ class SimConfig:
     slow_rules: str = field(
         default="plain", metadata={"help": f"How contributions are scaled, to sweep: {', '.join(SLOW_RULES)}."}
     )
+    accumulation: int = field(
+        default=1, metadata={"help": "Batches per inner step of the fast replicas: a round stretched for them."}
+    )
+    slow_steps: str = field(
+        default="fewer",
+        metadata={"help": "How slow replicas fill a stretched round, to sweep: fewer (H/F steps of --accumulation "
+                          "batches) or smaller (H steps of --accumulation/F batches)."},
+    )  # fmt: skip
     stages: int = field(default=2, metadata={"help": "Parameter shards = pipeline stages of a virtual replica."})
     microbatches: int = field(default=2, metadata={"help": "Microbatches per inner step in a virtual replica."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per inner step, per replica."})
@@ -483,7 +491,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         require_positive(self, "rounds", "stages", "microbatches", "batch_size", "seq_len", "lr", "eval_batches",
-                         "seeds", "jobs")  # fmt: skip
+                         "seeds", "jobs", "accumulation")  # fmt: skip
         if self.warmup_steps < 0:
             raise ConfigError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
         if not set(self.method_list) <= set(SIM_METHODS) or not self.method_list:
@@ -505,6 +513,8 @@ class SimConfig:
             raise ConfigError(f"--slow-factor {self.slow_factor} must be ≥ 1 and divide every --inner-steps")
         if not self.slow_rule_list or not set(self.slow_rule_list) <= set(SLOW_RULES):
             raise ConfigError(f"--slow-rules {self.slow_rules!r}: choose from {', '.join(SLOW_RULES)}")
+        if not self.slow_steps_list or not set(self.slow_steps_list) <= set(SLOW_STEPS):
+            raise ConfigError(f"--slow-steps {self.slow_steps!r}: choose from {', '.join(SLOW_STEPS)}")
 
     @property
     def window_list(self) -> list[int]:
@@ -513,6 +523,10 @@ class SimConfig:
     @property
     def slow_rule_list(self) -> list[str]:
         return [r.strip() for r in self.slow_rules.split(",") if r.strip()]
+
+    @property
+    def slow_steps_list(self) -> list[str]:
+        return [r.strip() for r in self.slow_steps.split(",") if r.strip()]
 
     @property
     def method_list(self) -> list[str]:

@@ -67,6 +67,10 @@ class Cell:
     window: int = 1
     slow_rule: str = ""
     """How contributions are scaled (`SLOW_RULES`); "" where the slow replicas sit out."""
+    accumulation: int = 1
+    """Batches per inner step of the fast replicas (a stretched round)."""
+    slow_steps: str = "fewer"
+    """How the slow replicas fill a stretched round (`SLOW_STEPS`)."""
 
     @property
     def name(self) -> str:
@@ -74,13 +78,16 @@ class Cell:
         parts += [] if self.topk is None else [f"k{self.topk}"]
         parts += [] if self.rank_divisor is None else [f"d/{self.rank_divisor}"]
         parts += [f"K{self.contributors}"] if self.contributors else []
+        parts += [f"A{self.accumulation}"] if self.accumulation > 1 else []
         if self.slow:
             every = f"w{self.window} {self.slow_rule}" if self.window else "sit out"
             parts += [f"slow{self.slow}/{self.slow_factor}", every]
+            parts += ["smaller steps"] if self.window and self.slow_steps == "smaller" else []
         return " ".join(parts)
 
     def cadences(self) -> list[Cadence]:
-        return lab_cadences(self.replicas, self.inner_steps, self.slow, self.slow_factor, self.window)
+        return lab_cadences(self.replicas, self.inner_steps, self.slow, self.slow_factor, self.window,
+                            self.accumulation, self.slow_steps)  # fmt: skip
 
     @property
     def layout(self) -> list[str]:
@@ -103,19 +110,23 @@ def grid(cfg: SimConfig) -> list[Cell]:
                 for k in cfg.topk_list if sparse else [None]:
                     for rank in cfg.rank_list if method in SUBSPACE_METHODS else [None]:
                         for limit in cfg.contributor_list if sparse else [0]:  # only SparseLoCo keeps Δ owed
-                            cell = Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0)
+                            cell = Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0,
+                                        accumulation=cfg.accumulation)  # fmt: skip
                             cells += _slow_variants(cfg, cell) if cfg.slow_replicas and method != "ddp" else [cell]
     return list(dict.fromkeys(cells))
 
 
 def _slow_variants(cfg: SimConfig, cell: Cell) -> list[Cell]:
     """`cell` as it is (every replica fast: the report's reference), then with its last `--slow-replicas` slow, once
-    per window and rule swept (a fresh window is neither discounted nor rebased: only windows of several rounds)."""
+    per window, rule and step shape swept (a fresh window is neither discounted nor rebased: only windows of several
+    rounds; step shapes differ only in a stretched round)."""
     slow = dict(slow=cfg.slow_replicas, slow_factor=cfg.slow_factor)
+    shapes = cfg.slow_steps_list if cell.accumulation > 1 else ["fewer"]
     variants = [cell]
     for w in cfg.window_list:
         rules = [r for r in cfg.slow_rule_list if w > 1 or r in ("plain", "rescaled")] if w else [""]
-        variants += [dataclasses.replace(cell, **slow, window=w, slow_rule=rule) for rule in rules]
+        variants += [dataclasses.replace(cell, **slow, window=w, slow_rule=rule, slow_steps=shape)
+                     for rule in rules for shape in (shapes if w else ["fewer"])]  # fmt: skip
     return variants
 
 
@@ -261,7 +272,7 @@ def simulate(
             if cadence.starts(t):
                 replica.load(swarm.theta(), swarm.fixed)
                 opened[i], trained[i] = t, cadence.steps(t)
-                replica.train(t, trained[i])
+                replica.train(t, trained[i], cadence.accumulation)
                 boundary += replica.boundary_bytes
         now = [i for i, cadence in enumerate(cadences) if cadence.ends(t)]
         outer = 0.0
@@ -269,10 +280,11 @@ def simulate(
             factors, weights = zip(*(contribution_scaling(slow_rule, trained[i], H, t - opened[i]) for i in now),
                                    strict=True)  # fmt: skip
             sizes = swarm.step([replicas[i] for i in now], [names[i] for i in now], t,
-                               [trained[i] * tokens_per_step * w for i, w in zip(now, weights, strict=True)],
+                               [trained[i] * cadences[i].accumulation * tokens_per_step * w
+                                for i, w in zip(now, weights, strict=True)],
                                list(factors), [slow_rule == "rebased" and opened[i] < t for i in now])  # fmt: skip
             outer = messages_moved(run.outer.outer, len(now), H, contributor_limit(run.outer)) * sum(sizes) / R
-        tokens += sum(trained[i] for i in now) * tokens_per_step
+        tokens += sum(trained[i] * cadences[i].accumulation for i in now) * tokens_per_step
         table = table_upkeep_bytes(run, swarm.change_bytes) * layout.count(VIRTUAL) / R
         sent += outer + boundary / R + table
         point = RoundPoint(t, tokens, sent, swarm.evaluate(held_out), swarm.fingerprints(),

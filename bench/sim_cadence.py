@@ -1,6 +1,9 @@
 """When a replica of the algorithm lab trains and contributes: every round, or once per window of several rounds.
 
-A slow replica trains `steps_per_round` inner steps in a round's wall time (H / F for a GPU F times slower). It
+A slow replica trains `steps_per_round` inner steps in a round's wall time (H / F for a GPU F times slower). In a
+round stretched past H steps of the fast replicas, whose steps then accumulate A batches each, it trains either H / F
+steps of A batches ("fewer", the protocol before) or H steps of A / F batches ("smaller", today's
+`own_batches_per_step`; H·A / F steps of one batch where F > A): the same tokens, a full-length trajectory. It
 can contribute every round what it trained in that round (window 1: fresh, few tokens), or train a window of w
 rounds from the θ it loaded at the window's start and contribute once at its end (w·H/F steps, built on a θ that
 w − 1 outer steps have moved since: stale by w − 1), or sit out (window 0). Slow replicas' windows are staggered
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SLOW_STEPS = ("fewer", "smaller")
+"""How a slow replica fills a stretched round (module docstring)."""
 SLOW_RULES = ("plain", "discounted", "rescaled", "rescaled-discounted", "rebased")
 """How a contribution of n inner steps, built on a θ s outer steps old, enters the outer step: `plain`, as it is
 (token-weighted like any other); `discounted`, its Δ scaled by (1 + s)^−½ (FedAsync's polynomial staleness weight,
@@ -29,9 +34,12 @@ class Cadence:
     window: int = 1
     """Rounds per contribution: 1 every round, w > 1 once per w rounds, 0 never (the replica sits out)."""
     offset: int = 0
+    accumulation: int = 1
+    """Batches per inner step."""
 
     def __post_init__(self) -> None:
-        if self.window < 0 or self.steps_per_round < 1 or not 0 <= self.offset < max(self.window, 1):
+        bad_offset = not 0 <= self.offset < max(self.window, 1)
+        if self.window < 0 or min(self.steps_per_round, self.accumulation) < 1 or bad_offset:
             raise ValueError(f"bad cadence {self}")
 
     def ends(self, t: int) -> bool:
@@ -61,9 +69,16 @@ def contribution_scaling(rule: str, steps: int, inner_steps: int, staleness: int
     return rescale * discount, rescale
 
 
-def lab_cadences(replicas: int, inner_steps: int, slow: int, slow_factor: int, window: int) -> list[Cadence]:
-    """The first `replicas − slow` replicas train H steps and contribute every round; the last `slow` train H / F a
-    round, in windows of `window` rounds staggered by their index."""
-    fast = [Cadence(inner_steps)] * (replicas - slow)
-    per_round = inner_steps // slow_factor
-    return fast + [Cadence(per_round, window, j % window if window else 0) for j in range(slow)]
+def lab_cadences(
+    replicas: int, inner_steps: int, slow: int, slow_factor: int, window: int, accumulation: int = 1,
+    slow_steps: str = "fewer",
+) -> list[Cadence]:  # fmt: skip
+    """The first `replicas − slow` replicas train H steps of `accumulation` batches and contribute every round; the
+    last `slow` train a 1 / F share of their batches a round as `slow_steps` says (`SLOW_STEPS`), in windows of
+    `window` rounds staggered by their index."""
+    if slow_steps not in SLOW_STEPS:
+        raise ValueError(f"slow steps must be one of {', '.join(SLOW_STEPS)}, got {slow_steps!r}")
+    fast = [Cadence(inner_steps, accumulation=accumulation)] * (replicas - slow)
+    own = max(1, accumulation // slow_factor) if slow_steps == "smaller" else accumulation
+    per_round = inner_steps * accumulation // slow_factor // own
+    return fast + [Cadence(per_round, window, j % window if window else 0, own) for j in range(slow)]

@@ -62,8 +62,9 @@ class SimReplica(ABC):
         """The modules holding this replica's parameters (one model, or its stages)."""
 
     @abstractmethod
-    def train(self, t: int, steps: int) -> None:
-        """Round t's inner steps from the loaded θ(t)."""
+    def train(self, t: int, steps: int, accumulation: int = 1) -> None:
+        """Round t's inner steps from the loaded θ(t), each on the mean gradient of `accumulation` batches (the
+        batches of step i: t·STEP_STRIDE + i·accumulation onwards, as `FullReplica.train` reads them)."""
 
     def _params(self) -> dict[str, Tensor]:
         return {name: p for m in self.modules() for name, p in m.named_parameters()}
@@ -101,11 +102,12 @@ class SimFullReplica(SimReplica):
     def modules(self) -> list[nn.Module]:
         return [self.model]
 
-    def train(self, t: int, steps: int) -> None:
+    def train(self, t: int, steps: int, accumulation: int = 1) -> None:
         H = self.run.outer.inner_steps
         for i in range(steps):
             self.trainer.step = t * H + min(i, H - 1)
-            self.trainer.train_step(*self.batches.batch(t * STEP_STRIDE + i))
+            first = t * STEP_STRIDE + i * accumulation
+            self.trainer.train_accumulated([self.batches.batch(first + k) for k in range(accumulation)])
 
 
 class SimVirtualReplica(SimReplica):
@@ -128,15 +130,17 @@ class SimVirtualReplica(SimReplica):
                 stage.project()
             self.start = {name: p.detach().clone() for name, p in self._params().items()}
 
-    def train(self, t: int, steps: int) -> None:
+    def train(self, t: int, steps: int, accumulation: int = 1) -> None:
         H = self.run.outer.inner_steps
         self.boundary_bytes = 0
+        batch = sum(self.sizes) * accumulation
         for i in range(steps):
-            x, y = self.batches.batch(t * STEP_STRIDE + i)
-            batch = sum(self.sizes)
-            for j, (xj, yj) in enumerate(zip(torch.tensor_split(x, len(self.sizes)),
-                                             torch.tensor_split(y, len(self.sizes)), strict=True)):  # fmt: skip
-                self._microbatch((i, j), xj, yj, self.sizes[j] / batch)
+            for k in range(accumulation):
+                index = i * accumulation + k
+                x, y = self.batches.batch(t * STEP_STRIDE + index)
+                for j, (xj, yj) in enumerate(zip(torch.tensor_split(x, len(self.sizes)),
+                                                 torch.tensor_split(y, len(self.sizes)), strict=True)):  # fmt: skip
+                    self._microbatch((index, j), xj, yj, self.sizes[j] / batch)
             for stage in self.stages:
                 stage.trainer.step = t * H + min(i, H - 1)
                 stage.optimizer_step()

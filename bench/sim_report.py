@@ -46,12 +46,14 @@ class CellSummary:
     window: int = 1
     """Slow replicas' contributions: once per `window` rounds (0: they sat out); see `sim_cadence`."""
     slow_rule: str = ""
+    accumulation: int = 1
+    slow_steps: str = "fewer"
 
     @property
     def setting(self) -> tuple:
-        """Everything but the slow replicas' window and stale rule."""
+        """Everything but the slow replicas' window, stale rule and step shape (the first seven: every replica's)."""
         return (self.method, self.replicas, self.inner_steps, self.topk, self.rank_divisor, self.contributors,
-                self.slow, self.slow_factor)  # fmt: skip
+                self.accumulation, self.slow, self.slow_factor)  # fmt: skip
 
     @property
     def mean(self) -> float:
@@ -79,7 +81,8 @@ def _grid_position(run: dict[str, Any]) -> tuple:
     known = run["method"] in SIM_METHODS
     return (SIM_METHODS.index(run["method"]) if known else len(SIM_METHODS), run["method"], run["replicas"],
             run["inner_steps"], run["topk"] or 0, run["rank_divisor"] or 0, run.get("contributors", 0),
-            run.get("slow", 0), run.get("window", 1), run.get("slow_rule", ""))  # fmt: skip
+            run.get("accumulation", 1), run.get("slow", 0), run.get("window", 1), run.get("slow_rule", ""),
+            run.get("slow_steps", "fewer"))  # fmt: skip
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
@@ -102,7 +105,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, CellSummary]:
             traffic={k: statistics.fmean(p["traffic"][k] for r in rounds for p in r) for k in kinds},
             contributors=first.get("contributors", 0), slow=first.get("slow", 0),
             slow_factor=first.get("slow_factor", 1), window=first.get("window", 1),
-            slow_rule=first.get("slow_rule", ""),
+            slow_rule=first.get("slow_rule", ""), accumulation=first.get("accumulation", 1),
+            slow_steps=first.get("slow_steps", "fewer"),
         )  # fmt: skip
     return out
 
@@ -209,8 +213,8 @@ def finding_slow(cells: dict[str, CellSummary]) -> list[str]:
             continue
         same = [r for r in cells.values() if r.setting == c.setting]
         sit_out = next((r for r in same if r.window == 0), None)
-        fresh = next((r for r in same if r.window == 1 and r.slow_rule == "plain"), None)
-        fast = next((r for r in cells.values() if not r.slow and r.setting[:6] == c.setting[:6]), None)
+        fresh = next((r for r in same if r.window == 1 and r.slow_rule == "plain" and r.slow_steps == "fewer"), None)
+        fast = next((r for r in cells.values() if not r.slow and r.setting[:7] == c.setting[:7]), None)
         value = slow_token_value(c, sit_out, fast) if sit_out and fast and fast.mean < sit_out.mean else None
         rows.append([c.cell, _loss(c), paired_gap(c, sit_out) if sit_out else "n/a",
                      paired_gap(c, fresh) if fresh and fresh is not c else "", f"{c.tokens[-1]:,}",

@@ -111,6 +111,20 @@ def test_traffic_is_the_encoded_messages_and_boundaries(store) -> None:
     assert dense["table"] == 0 and 0 < hetero["table"] * 2 <= 2 * selected * 8 < vocab * 128 * 4 / 10
 
 
+def test_steps_of_several_batches_move_every_batch_through_the_pipeline_and_count_its_tokens(store) -> None:
+    """--accumulation 2 (a stretched round): each inner step of the virtual replica sends both batches' microbatches
+    across its boundary, and the swarm's tokens double."""
+    vocab = load_tokenizer(None).vocab_size
+    runs = {}
+    for a in (1, 2):
+        cfg = _quick(methods="hetero", rank_divisors="8", accumulation=a)
+        held_out = val_batches(store, cfg.batch_size, cfg.seq_len, 1)
+        runs[a] = run_cell(cfg, grid(cfg)[0], 0, store, vocab, held_out, lambda _p: None)["rounds"][0]
+    assert runs[2]["traffic"]["boundary"] == 2 * runs[1]["traffic"]["boundary"] > 0
+    assert runs[2]["tokens"] == 2 * runs[1]["tokens"]
+    assert runs[2]["fingerprints"] != runs[1]["fingerprints"]
+
+
 def test_the_grid_sweeps_only_the_knobs_a_method_has() -> None:
     cells = grid(SimConfig(methods="ddp,hetero,sparseloco", rank_divisors="8,16", topk="16,64", inner_steps="10"))
     assert [c.name for c in cells if c.method == "ddp"] == ["ddp R4 H10"]

@@ -32,6 +32,17 @@ def test_a_window_opens_after_the_last_closes_and_the_first_is_shortened_by_its_
     assert lab_cadences(4, 20, 2, 4, 4) == [Cadence(20), Cadence(20), Cadence(5, 4, 0), Cadence(5, 4, 1)]
 
 
+def test_in_a_stretched_round_slow_replicas_take_fewer_steps_of_its_size_or_h_smaller_ones() -> None:
+    """Fast replicas at 4 batches a step; quarter-speed ones train 20 batches a round either way."""
+    fast = Cadence(20, accumulation=4)
+    assert lab_cadences(3, 20, 1, 4, 1, 4, "fewer") == [fast, fast, Cadence(5, accumulation=4)]
+    assert lab_cadences(3, 20, 1, 4, 1, 4, "smaller") == [fast, fast, Cadence(20, accumulation=1)]
+    assert lab_cadences(2, 20, 1, 2, 1, 4, "smaller")[1] == Cadence(20, accumulation=2)  # half speed: steps of 2
+    assert lab_cadences(2, 20, 1, 8, 1, 4, "smaller")[1] == Cadence(10, accumulation=1)  # F > A: fewer single ones
+    with pytest.raises(ValueError):
+        lab_cadences(2, 20, 1, 4, 1, 4, "bigger")
+
+
 def test_a_contribution_is_scaled_by_its_rule() -> None:
     assert contribution_scaling("plain", 5, 20, 3) == (1.0, 1.0)
     assert contribution_scaling("discounted", 20, 20, 3) == (0.5, 1.0)  # (1 + 3)^-1/2
