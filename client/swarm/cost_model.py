@@ -18,10 +18,11 @@ One round, as the protocol runs it:
 * the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
   (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees,
   K(C−1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
-  tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at the node's link (a
+  tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at a relay's link (a
   relay re-serves a message once it has all of it; members whose upload is below a quarter of the median are leaves
-  that upload their own message once and the others carry the rest; the hop a slow author's message takes through
-  a fast member is not priced: a round trip and a fast store-and-forward, against a slow copy saved);
+  that upload their own message once, never relay, and wait at the median relay's link; the others carry the rest
+  at their own; the hop a slow author's message takes through a fast member is not priced: a round trip and a fast
+  store-and-forward, against a slow copy saved);
   all-to-all (the protocol before) downloads every other member's
   message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two
   messages each way whatever C is. Stages without the embedding also keep T_fixed current every round: today by
@@ -516,6 +517,7 @@ def _exchanges(
     exchange = _exchange_kind(shape, links)
     limit = shape.max_contributors if exchange == "relay-tree" else 0
     slow = _slow_holders(peers, members, trains, shape.stages) if exchange == "relay-tree" else {}
+    relays = _typical_relays(peers, members, trains, slow)
     shard0_holders = sum(1 for _, _, replica, stage, _ in members if stage <= 0 and trains[replica])
     table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and trains[replica])
     exchanges = {}
@@ -541,8 +543,10 @@ def _exchanges(
         else:
             up += table_up
         hops = exchange_hops(contributors, exchange)
-        held = sum(shape.shard_message_bytes[s] for s in shards)  # each relay stores a message, then forwards it
-        hops_s = hops * latency.hop_ms(peer) / 1e3 + (hops - 1) * _transfer_s(held, held, peer)
+        # a tree level: its relay stores a whole message, then forwards it; a slow leaf's relays are not itself
+        via = {s: relays.get(s, peer) if peer_id in slow.get(s, ()) else peer for s in shards}
+        level_s = sum(_transfer_s(shape.shard_message_bytes[s], shape.shard_message_bytes[s], via[s]) for s in shards)
+        hops_s = hops * latency.hop_ms(peer) / 1e3 + (hops - 1) * level_s
         exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + links.matchmaking_s + hops_s)
     return exchanges
 
@@ -590,6 +594,25 @@ def _slow_holders(
         holders = {p: peers[p].upload_mbps for p, _, replica, _, held in members if trains[replica] and s in held}
         slow[s] = slow_uplinks(holders, list(holders))
     return slow
+
+
+def _typical_relays(
+    peers: Mapping[str, PeerInfo], members: Sequence[Member], trains: Sequence[bool],
+    slow: Mapping[int, frozenset[str]],
+) -> dict[int, PeerInfo]:  # fmt: skip
+    """Per shard with slow holders, its median relay (by upload): the link a message crosses at each level of its
+    tree on its way to a slow leaf, which never relays (`relay_parent`)."""
+    relays = {}
+    for s, leaves in slow.items():
+        if not leaves:
+            continue
+        candidates = sorted(
+            (peers[p] for p, _, replica, _, held in members if trains[replica] and s in held and p not in leaves),
+            key=lambda peer: peer.upload_mbps,
+        )
+        if candidates:
+            relays[s] = candidates[len(candidates) // 2]
+    return relays
 
 
 def _table_upkeep_bytes(
