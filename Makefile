@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-admission bench-soak bench-nat bench-local-ranks sim sim-slow clean
+.PHONY: venv data demo test test-long docker-test docker-test-cuda lint gpu-wheels gpu-check bench bench-long bench-long-wan bench-slow-link bench-plan bench-exchange bench-kills bench-agreement bench-byzantine bench-fuzz bench-fuzz-swarm bench-poison bench-sybil bench-admission bench-soak bench-nat bench-local-ranks sim sim-slow sim-slow-steps clean
 
 # torch first, pinned: installing the project alone would let pip pick whatever torch build it resolves to.
 venv: $(STAMP)
@@ -178,6 +178,13 @@ sim: venv data
 sim-slow: venv data
 	$(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor 4 \
 		--slow-windows 0,1,4 --slow-rules plain,discounted,rescaled,rescaled-discounted,rebased --jobs 2 --out bench/results/sim-slow
+
+# In a stretched round (the fast replicas' steps of 4 batches): 2 of 4 at a quarter and at a twentieth of the speed,
+# fewer steps of the round's size or smaller ones, or sitting out (2 × 12 runs, about an hour on 2 cores).
+sim-slow-steps: venv data
+	for f in 4 20; do $(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor $$f \
+		--accumulation 4 --slow-windows 1,0 --slow-steps fewer,smaller --jobs 2 --out bench/results/sim-slow-steps/f$$f \
+		|| exit 1; done
 
 # Back to a fresh clone (the corpus cache under $$HETERO_NODE_CACHE is kept: it is not in the repository).
 clean:

@@ -40,6 +40,23 @@ def stretched_window(base_s: float, overhead: float, utilisation: float, inner_s
     return max(base_s, min(stretched_length(overhead, utilisation, inner_steps, overlap), MAX_STRETCH * base_s))
 
 
+MIN_STEP_SHARE = 0.25
+"""A slower replica's steps accumulate at most as many batches as let it train this share of H steps: the algorithm
+lab measured a quarter of H steps of the round's size a round as useful, one such step as harmful, and single-batch
+steps in its place as harmless (bench/README, *Slow replicas*)."""
+
+
+def own_batches_per_step(length_s: float, inner_steps: int, batch_s: float, step_s: float, accumulation: int) -> int:
+    """Batches one inner step of a replica accumulates in a round of `length_s` whose steps accumulate
+    `accumulation` (the fastest replica's): the round's, unless that leaves it fewer than `MIN_STEP_SHARE` of H
+    steps (`batch_s` per batch, `step_s` once per step); then as many as let it train that share, at least one."""
+    steps = max(1.0, MIN_STEP_SHARE * inner_steps)
+    if batch_s <= 0 or length_s <= 0:
+        return accumulation
+    fits = int((length_s / steps - step_s) / batch_s + 1e-9)
+    return min(accumulation, max(1, fits))
+
+
 def batches_per_step(length_s: float, base_s: float) -> int:
     """Batches one inner step accumulates in a round of `length_s`: how many times H steps of the fastest replica
     (`base_s`) fit, at most `MAX_ACCUMULATION`."""

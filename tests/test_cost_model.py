@@ -41,6 +41,7 @@ from hetero_node.protocol.boundary_codec import BACKWARD, FORWARD
 from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import REQUEST_AUTO, REQUEST_FULL, ROLE_FULL, ROLE_STAGE, ROLE_STANDBY
+from hetero_node.protocol.round_stretch import own_batches_per_step
 from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
 
 GB = 10**9
@@ -140,6 +141,20 @@ def test_a_slow_leaf_waits_for_its_messages_at_its_relays_links_not_its_own() ->
     relayed = predict_round({**fast, "home": PeerInfo("home", 16 * GB, 1000, 100, 100)},
                             Assignment((*fast, "home")), shape, links)  # fmt: skip
     assert leaf_exchange(1) < relayed.nodes["home"].exchange_s + own_once
+
+
+def test_a_replica_far_slower_than_the_stretched_rounds_steps_takes_smaller_ones_as_the_nodes_clock_does() -> None:
+    """The round above (5 batches a step, H = 10) with a replica twenty times slower: 2.7 batches fit, under one
+    step of 5, so it takes steps of one batch (before: it sat out); one four times slower fits 2.7 steps of 5, over
+    H/4 = 2.5, and keeps their size."""
+    trio = {"a": peer("a", 100, 8), "b": peer("b", 5, 8), "c": peer("c", 25, 8)}
+    links = LinkModel(matchmaking_s=3.0, overhead_bytes=0)
+    shape = dataclasses.replace(SHAPE, target_utilisation=0.9)
+    p = predict_round(trio, Assignment(("a", "b", "c")), shape, links)
+    assert p.accumulation == 5 and (p.nodes["a"].steps, p.nodes["a"].batches) == (10, 50)
+    assert (p.nodes["b"].steps, p.nodes["b"].batches) == (2, 2)
+    assert (p.nodes["c"].steps, p.nodes["c"].batches) == (2, 10)
+    assert own_batches_per_step(54.0, 10, 1.0, 0.0, 5) == 5 and own_batches_per_step(54.0, 10, 20.0, 0.0, 5) == 1
 
 
 def test_a_pipelines_accumulated_batches_stream_and_pay_its_fill_and_round_trips_once_a_step() -> None:
@@ -287,11 +302,11 @@ def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_wou
     shape = RunShape.from_run(run)
     req, judge = requirements(shape), MarginalGain(shape, links)
     alone = plan([*h100s, v100s[0]], req, judge)
-    assert alone.roles["v100-0"] != ROLE_FULL and "go 479,586 → 475,781" in alone.reasons["v100-0"]
+    assert alone.roles["v100-0"] != ROLE_FULL and "go 479,586 → 476,380" in alone.reasons["v100-0"]
     batch = plan([*h100s, *v100s], req, judge)
     assert all(batch.roles[a.peer_id] == ROLE_FULL for a in v100s), batch.describe()
     assert "with it and 7 more joining after it as 8 more replicas" in batch.reasons["v100-0"]
-    assert "go 479,586 → 542,668" in batch.reasons["v100-0"]
+    assert "go 479,586 → 544,493" in batch.reasons["v100-0"]
     everyone = {p.peer_id: p for p in [*h100s, *v100s]}
     together = predict_round(everyone, Assignment(tuple(everyone)), shape, links).tokens_per_s
     assert together > predict_round(everyone, Assignment(tuple(p.peer_id for p in h100s)), shape, links).tokens_per_s

@@ -122,7 +122,7 @@ class Contributing:
         claimant writes its speed of this round just before its statement); our other shards judge by the same read."""
         batch_tokens = self.run_cfg.batch_size * self.run_cfg.seq_len
         window = RoundWindow(
-            plan.length_s, plan.grace_s, plan.accumulation, plan.reference_steps, plan.min_steps, batch_tokens
+            plan.length_s, plan.grace_s, plan.round_accumulation, plan.reference_steps, plan.min_steps, batch_tokens
         )
         read: list[dict[str, PeerRecord]] = []
 

@@ -4,7 +4,7 @@ A round is a window of wall time (DHT time), the same for every replica: each tr
 before the round's deadline, so a slow machine trains fewer steps instead of making the others wait or missing
 the round. Its length L is `--round-s`, or H inner steps at the fastest replica's measured time per step (each
 record advertises `step_s`, the training loop's wall time per step), so the fastest replica trains about H steps
-and a replica three times slower about H/3.
+and a replica three times slower about H/3 (far slower ones take smaller steps in a stretched round, below).
 
 A round must also be long enough for what it costs outside training: exchange, outer step, catch-up. On a GPU an
 inner step takes milliseconds, and H of them are far shorter than the round's own fixed costs, so a replica would
@@ -27,6 +27,13 @@ a far link bigger steps are also more tokens: on `hetero-tiny-wan` (140 ms acros
 rounds stretched to 34-50 s, H = 20) it trained 140 one-batch steps a round before, 14-18 accumulated ones
 after, and the edge nodes' share of the swarm's tokens went from 14% to 29-31% (bench/README.md, *Time to ddp's
 loss*).
+
+A replica so slow that it would train fewer than a quarter of H steps of the round's size takes smaller steps: as
+many batches as let it train that quarter, at least one (`own_batches_per_step`). The algorithm lab (bench/README,
+*Slow replicas*; 4 replicas, the 2 fast ones' steps of 4 batches, 3 seeds): 2 at a quarter of their speed, 5 steps
+of 4 batches a round, helped against sitting out (−1.3% ± 0.5% eval loss); 2 at a twentieth, one step of 4
+batches a round, hurt (+3.3% ± 0.8%), and 4 steps of one batch did not (−0.8% ± 1.8%; 3.9% ± 1.1% below one big
+step).
 
 Agreement without a coordinator: a replica proposes deadline(t) = now + L when it starts round t (under
 `--overlap`, where training never pauses for the exchange, deadline(t−1) + L: a fixed cadence), announces it in
@@ -51,7 +58,7 @@ from dataclasses import dataclass
 from hetero_node.client.swarm.view import coming
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_FULL
-from hetero_node.protocol.round_stretch import batches_per_step, stretched_window
+from hetero_node.protocol.round_stretch import batches_per_step, own_batches_per_step, stretched_window
 from hetero_node.protocol.run_config import OuterConfig
 
 STEP_EMA = 0.5
@@ -81,10 +88,12 @@ class RoundPlan:
     sit_out: bool
     """Too little time left for min_steps: receive the round's result without training."""
     accumulation: int = 1
-    """Batches whose gradients one inner step accumulates (a stretched round's steps are bigger, not more)."""
+    """Batches whose gradients one inner step of ours accumulates (a stretched round's steps are bigger, not more)."""
     lead_s: float = 0.0
     """Seconds before the deadline this replica stops: how long its statement takes to reach the DHT (`MAX_LEAD`
     of L at most). A member on a far link pays its own round trips instead of every member waiting for them."""
+    round_accumulation: int = 1
+    """The round's batches per step, the fastest replica's (ours is at most this): what bounds others' claims."""
 
     def keep_training(self, steps: int, now: float, step_s: float) -> bool:
         """Whether to start another inner step after `steps` of them, at DHT time `now`; `step_s` is the time of one
@@ -212,8 +221,11 @@ class RoundClock:
             proposal = self._last[1] + length if on_schedule else now + length
             deadline = max(proposal, now + MIN_ROUND_FRACTION * length)
             deadline = self.earliest(round_, records, me, deadline, length)
-        accumulation = self.accumulation(records, length)
-        grace = self.grace(records, round_, length, accumulation)
+        round_accumulation = self.accumulation(records, length)
+        grace = self.grace(records, round_, length, round_accumulation)
+        accumulation = round_accumulation  # far slower than the fastest: smaller steps, not one or two of its size
+        if length is not None:
+            accumulation = own_batches_per_step(length, self.outer.inner_steps, self.step_s, 0.0, round_accumulation)
         min_steps, max_steps = self.outer.min_inner_steps, self.outer.max_inner_steps
         step_s = self.step_s * accumulation
         sit_out = deadline is not None and step_s > 0 and now + min_steps * step_s > deadline + max(grace, waited_s)
@@ -221,7 +233,8 @@ class RoundClock:
             self._last = (round_, deadline)
         lead = min(store_s, MAX_LEAD * length) if length else 0.0
         return RoundPlan(
-            round_, deadline, length, grace, min_steps, max_steps, self.outer.inner_steps, sit_out, accumulation, lead
+            round_, deadline, length, grace, min_steps, max_steps, self.outer.inner_steps, sit_out, accumulation, lead,
+            round_accumulation,
         )  # fmt: skip
 
     def earliest(

@@ -13,7 +13,8 @@ One round, as the protocol runs it:
   (`client/roles/schedule.py`) until training fills `--target-utilisation` of a round next to the full replicas'
   upper-median exchange (at most 30 times); a stretched round's steps accumulate A = ⌊window / H steps⌋
   batches, and a virtual replica streams them, two batches in flight, paying its GPipe fill and round trips once a
-  step (`accumulated_pace`). Each replica trains the whole steps that fit and sits the round out below
+  step (`accumulated_pace`); a replica that would fit fewer than a quarter of H such steps takes smaller ones
+  (`own_batches_per_step`). Each replica trains the whole steps that fit and sits the round out below
   `min_inner_steps`;
 * the exchange: per shard a member holds, relay-tree (today) moves the K = `--max-contributors` selected messages
   (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees,
@@ -57,7 +58,7 @@ from functools import cache
 from hetero_node.client.swarm.planner import PeerInfo
 from hetero_node.protocol.flat_exchange import aggregated, contributor_limit, slow_uplinks
 from hetero_node.protocol.outer_specs import outer_spec
-from hetero_node.protocol.round_stretch import batches_per_step, stretched_window
+from hetero_node.protocol.round_stretch import batches_per_step, own_batches_per_step, stretched_window
 from hetero_node.protocol.run_config import RunConfig
 
 EXCHANGES = ("relay-tree", "all-to-all", "butterfly")
@@ -429,17 +430,17 @@ def predict_round(
     def replica_exchange(exchanges: Mapping[str, tuple[float, float, float]]) -> list[float]:
         return [max((exchanges[p][2] for p, _, r, _, _ in members if r == i), default=0.0) for i in range(len(paces))]
 
-    steps = _steps_in(base, 1, paces, shape.min_inner_steps)
+    steps, own = _steps_in(base, 1, paces, shape)
     trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
     exchanges = _exchanges(peers, members, trains, shape, links, latency)
     window, accumulation = _stretched(base, [e for r, e in enumerate(replica_exchange(exchanges))
                                              if roles[r] == "full" and trains[r]], shape)  # fmt: skip
     if window > base:  # the protocol's stretched round: H bigger steps (`client/roles/schedule.py`)
-        steps = _steps_in(window, accumulation, paces, shape.min_inner_steps)
+        steps, own = _steps_in(window, accumulation, paces, shape)
         stretched_trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
         if stretched_trains != trains:
             trains, exchanges = stretched_trains, _exchanges(peers, members, stretched_trains, shape, links, latency)
-    batches = [n * accumulation for n in steps]
+    batches = [n * a for n, a in zip(steps, own, strict=True)]
     every = [1] * len(paces)
     per_replica = replica_exchange(exchanges)
     if links.cadence and finite:
@@ -485,14 +486,20 @@ def _exchange_kind(shape: RunShape, links: LinkModel) -> str:
     return links.exchange if shape.relayed or links.exchange != "relay-tree" else "all-to-all"
 
 
-def _steps_in(window: float, accumulation: int, paces: Sequence[tuple[float, float]], min_steps: int) -> list[int]:
-    """Inner steps of `accumulation` batches each replica fits in the window (0 below `min_steps`)."""
-    steps = []
+def _steps_in(
+    window: float, accumulation: int, paces: Sequence[tuple[float, float]], shape: RunShape
+) -> tuple[list[int], list[int]]:
+    """(inner steps, batches per step) of each replica in the window: the round's `accumulation`, or fewer batches
+    where that leaves a slow replica under a quarter of H steps (`own_batches_per_step`, as the nodes' clock
+    chooses); no steps below `min_inner_steps`."""
+    steps, own = [], []
     for per_batch, per_step in paces:
-        step = accumulation * per_batch + per_step
-        n = int(window / step + 1e-9) if math.isfinite(step) else 0
-        steps.append(n if n >= min_steps else 0)
-    return steps
+        finite = math.isfinite(per_batch + per_step)
+        a = own_batches_per_step(window, shape.inner_steps, per_batch, per_step, accumulation) if finite else 1
+        n = int(window / (a * per_batch + per_step) + 1e-9) if finite else 0
+        steps.append(n if n >= shape.min_inner_steps else 0)
+        own.append(a)
+    return steps, own
 
 
 def _stretched(base: float, full_exchanges: Sequence[float], shape: RunShape) -> tuple[float, int]:
