@@ -111,7 +111,7 @@ def grid(cfg: SimConfig) -> list[Cell]:
                     for rank in cfg.rank_list if method in SUBSPACE_METHODS else [None]:
                         for limit in cfg.contributor_list if sparse else [0]:  # only SparseLoCo keeps Δ owed
                             cell = Cell(method, replicas, h, k, rank, limit if 0 < limit < replicas else 0,
-                                        accumulation=cfg.accumulation)  # fmt: skip
+                                        accumulation=1 if method == "ddp" else cfg.accumulation)  # fmt: skip
                             cells += _slow_variants(cfg, cell) if cfg.slow_replicas and method != "ddp" else [cell]
     return list(dict.fromkeys(cells))
 
@@ -266,6 +266,7 @@ def simulate(
     points: list[RoundPoint] = []
     sent, tokens = 0.0, 0
     opened, trained = [0] * R, [0] * R  # each replica's window: the round it opened, the steps it trained
+    reference = H * max(c.accumulation for c in cadences)  # batches of a fast replica's round: `rescaled`'s H steps
     for t in range(run.outer.rounds):
         boundary = 0.0
         for i, (replica, cadence) in enumerate(zip(replicas, cadences, strict=True)):
@@ -277,8 +278,8 @@ def simulate(
         now = [i for i, cadence in enumerate(cadences) if cadence.ends(t)]
         outer = 0.0
         if now:  # else nobody closes a window: θ stays
-            factors, weights = zip(*(contribution_scaling(slow_rule, trained[i], H, t - opened[i]) for i in now),
-                                   strict=True)  # fmt: skip
+            factors, weights = zip(*(contribution_scaling(slow_rule, trained[i] * cadences[i].accumulation, reference,
+                                                          t - opened[i]) for i in now), strict=True)  # fmt: skip
             sizes = swarm.step([replicas[i] for i in now], [names[i] for i in now], t,
                                [trained[i] * cadences[i].accumulation * tokens_per_step * w
                                 for i, w in zip(now, weights, strict=True)],

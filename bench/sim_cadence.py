@@ -2,13 +2,14 @@
 
 A slow replica trains `steps_per_round` inner steps in a round's wall time (H / F for a GPU F times slower). In a
 round stretched past H steps of the fast replicas, whose steps then accumulate A batches each, it trains either H / F
-steps of A batches ("fewer", the protocol before) or H steps of A / F batches ("smaller", today's
-`own_batches_per_step`; H·A / F steps of one batch where F > A): the same tokens, a full-length trajectory. It
-can contribute every round what it trained in that round (window 1: fresh, few tokens), or train a window of w
-rounds from the θ it loaded at the window's start and contribute once at its end (w·H/F steps, built on a θ that
-w − 1 outer steps have moved since: stale by w − 1), or sit out (window 0). Slow replicas' windows are staggered
-(`offset`: the first window is shorter by it) so that their contributions spread over the rounds, as volunteers'
-would.
+steps of A batches ("fewer") or H steps of A / F batches ("smaller"; H·A / F steps of one batch where F > A): the
+same tokens, a full-length trajectory. The protocol's rule (`own_batches_per_step`) is "fewer" down to a quarter of
+H steps and smaller steps below it; at F = 4 and F = 20 with A = 4, the two speeds the lab measured, it is "fewer"
+and "smaller". It can contribute every round what it trained in that round (window 1: fresh, few tokens), or train
+a window of w rounds from the θ it loaded at the window's start and contribute once at its end (w·H/F steps, built
+on a θ that w − 1 outer steps have moved since: stale by w − 1), or sit out (window 0). Slow replicas' windows are
+staggered (`offset`: the first window is shorter by it) so that their contributions spread over the rounds, as
+volunteers' would.
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ class Cadence:
         return (end - t + 1) * self.steps_per_round
 
 
-def contribution_scaling(rule: str, steps: int, inner_steps: int, staleness: int) -> tuple[float, float]:
-    """(what its Δ is scaled by, what its token weight is scaled by) for a contribution of `steps` inner steps built
-    `staleness` outer steps ago (`SLOW_RULES`). A rescaled contribution also claims H steps' tokens: with its own
-    the aggregate's per-token norm clip (`protocol/aggregation.py`) would scale it straight back down."""
+def contribution_scaling(rule: str, batches: int, reference: int, staleness: int) -> tuple[float, float]:
+    """(what its Δ is scaled by, what its token weight is scaled by) for a contribution of `batches` batches built
+    `staleness` outer steps ago (`SLOW_RULES`), where a fast replica's round is `reference` batches (H steps of A).
+    A rescaled contribution also claims a fast round's tokens: with its own the aggregate's per-token norm clip
+    (`protocol/aggregation.py`) would scale it straight back down."""
     if rule not in SLOW_RULES:
         raise ValueError(f"slow rule must be one of {', '.join(SLOW_RULES)}, got {rule!r}")
-    rescale = inner_steps / steps if rule.startswith("rescaled") else 1.0
+    rescale = reference / batches if rule.startswith("rescaled") else 1.0
     discount = (1 + staleness) ** -0.5 if rule.endswith("discounted") else 1.0
     return rescale * discount, rescale
 

@@ -50,7 +50,7 @@ def own_batches_per_step(length_s: float, inner_steps: int, batch_s: float, step
     """Batches one inner step of a replica accumulates in a round of `length_s` whose steps accumulate
     `accumulation` (the fastest replica's): the round's, unless that leaves it fewer than `MIN_STEP_SHARE` of H
     steps (`batch_s` per batch, `step_s` once per step); then as many as let it train that share, at least one."""
-    steps = max(1.0, MIN_STEP_SHARE * inner_steps)
+    steps = max(1, math.ceil(MIN_STEP_SHARE * inner_steps))
     if batch_s <= 0 or length_s <= 0:
         return accumulation
     fits = int((length_s / steps - step_s) / batch_s + 1e-9)

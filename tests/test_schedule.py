@@ -197,8 +197,8 @@ def test_a_stretched_round_makes_every_replicas_steps_bigger_not_more() -> None:
 
 def test_a_replica_that_would_train_under_a_quarter_of_h_big_steps_takes_smaller_ones() -> None:
     """L = 18 s, H = 10, the fastest at 0.1 s a batch: steps of 18 batches. At 0.3 s a batch a replica still fits
-    3.3 of them (over H/4) and keeps them; at 0.6 s only 1.7, so its steps take 12 batches (2.5 fit); at 5 s a
-    batch, one. The lab: a slow replica's one or two big steps a round hurt, a quarter of H steps helped. Others'
+    3.3 of them (over ⌈H/4⌉ = 3) and keeps them; at 0.6 s only 1.7, so its steps take 10 batches (3 fit); at 5 s
+    a batch, one. The lab: a slow replica's one or two big steps a round hurt, a quarter of H steps helped. Others'
     claims are still bounded by the round's 18 batches a step."""
     records = {pid: r.copy(update={"overhead_s": 1.0}) for pid, r in [replica("a", step_s=0.1)]}
 
@@ -210,4 +210,4 @@ def test_a_replica_that_would_train_under_a_quarter_of_h_big_steps_takes_smaller
         return plan.accumulation, plan.round_accumulation
 
     assert planned(0.1) == (18, 18) and planned(0.3) == (18, 18)
-    assert planned(0.6) == (12, 18) and planned(5.0) == (1, 18)
+    assert planned(0.6) == (10, 18) and planned(5.0) == (1, 18)

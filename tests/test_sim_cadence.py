@@ -47,6 +47,7 @@ def test_a_contribution_is_scaled_by_its_rule() -> None:
     assert contribution_scaling("plain", 5, 20, 3) == (1.0, 1.0)
     assert contribution_scaling("discounted", 20, 20, 3) == (0.5, 1.0)  # (1 + 3)^-1/2
     assert contribution_scaling("rescaled", 5, 20, 0) == (4.0, 4.0)  # H / n, claiming H steps' tokens
+    assert contribution_scaling("rescaled", 4, 20 * 4, 0) == (20.0, 20.0)  # 4 batches against 20 steps of 4
     assert contribution_scaling("rescaled-discounted", 5, 20, 3) == (2.0, 4.0)
     assert contribution_scaling("rebased", 5, 20, 3) == (1.0, 1.0)  # rebased by the lab's swarm, not scaled
     assert all(contribution_scaling(rule, 20, 20, 0) == (1.0, 1.0) for rule in ("plain", "rescaled", "discounted"))

@@ -198,8 +198,11 @@ class RoundClock:
         self, records: dict[str, PeerRecord], round_: int, length_s: float | None, accumulation: int = 1
     ) -> float:
         """How long a group waits past the deadline: `--matchmaking-s`, a fraction of the round, or one and a
-        half steps (of `accumulation` batches) of the slowest replica coming to this round, whichever is longest."""
+        half steps of the slowest replica coming to this round (of the round's `accumulation` batches, or the fewer
+        its own steps take: `own_batches_per_step`), whichever is longest."""
         slowest = max([r.step_s for r in records.values() if coming(r, round_)] + [self.step_s])
+        if length_s:
+            accumulation = own_batches_per_step(length_s, self.outer.inner_steps, slowest, 0.0, accumulation)
         return max(self.matchmaking_s, self.straggler_fraction * (length_s or 0.0), 1.5 * slowest * accumulation)
 
     def plan(

@@ -228,7 +228,7 @@ class NodeRound:
     every: int = 1
     """Rounds per contribution (`cadence`): steps, compute, exchange and bytes are per contribution."""
     batches: int = 0
-    """Batches it trains per contribution (steps × the round's accumulation; a window's may exceed H steps' worth)."""
+    """Batches it trains per contribution (steps × its batches per step; a window's may exceed H steps' worth)."""
     boundary_up: float = 0.0
     """Of `bytes_up` / `bytes_down`, what its pipeline's boundaries move (the rest is the exchange)."""
     boundary_down: float = 0.0
@@ -490,8 +490,9 @@ def _steps_in(
     window: float, accumulation: int, paces: Sequence[tuple[float, float]], shape: RunShape
 ) -> tuple[list[int], list[int]]:
     """(inner steps, batches per step) of each replica in the window: the round's `accumulation`, or fewer batches
-    where that leaves a slow replica under a quarter of H steps (`own_batches_per_step`, as the nodes' clock
-    chooses); no steps below `min_inner_steps`."""
+    where that leaves a slow replica under a quarter of H steps (`own_batches_per_step`; the nodes' clock folds a
+    pipeline's per-step fill into its measured time per batch, the model keeps it apart); no steps below
+    `min_inner_steps`."""
     steps, own = [], []
     for per_batch, per_step in paces:
         finite = math.isfinite(per_batch + per_step)
