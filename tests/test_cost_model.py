@@ -20,7 +20,14 @@ from hypothesis import strategies as st
 from hetero_node.client.cli.plan import sizing_run
 from hetero_node.client.config import OptimConfig, RunOptions
 from hetero_node.client.swarm import cost_model
-from hetero_node.client.swarm.auto_plan import MarginalGain, auto_plan, count_grid, live_assignment, requirements
+from hetero_node.client.swarm.auto_plan import (
+    TOLERANCE,
+    MarginalGain,
+    auto_plan,
+    count_grid,
+    live_assignment,
+    requirements,
+)
 from hetero_node.client.swarm.cost_model import (
     Assignment,
     Latency,
@@ -312,6 +319,31 @@ def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_wou
     assert together > predict_round(everyone, Assignment(tuple(p.peer_id for p in h100s)), shape, links).tokens_per_s
 
 
+def test_the_live_planner_takes_a_batch_of_home_pipelines_together_when_one_alone_would_cost_the_swarm() -> None:
+    """1,000 volunteers' datacenter half (50 H100s, 50 A100s) and 300 RTX 4090s on 40 Mbit/s up joining at once,
+    `1b` at H = 50 and rank 48 (`make bench-plan`'s optimised run): one pipeline of 4090s costs the swarm (its
+    holder per shard moves the median upload, and the A100s start relaying), 75 pay. Each 4090 is judged with the
+    others on links like its own, so all 300 become stages; at rank 192 the 75 would cost, and none does."""
+    kinds = [{"name": "h100", "count": 50, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
+             {"name": "a100", "count": 50, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30},
+             {"name": "rtx4090", "count": 300, "tflops": 65, "memory_gb": 22, "up_mbit": 40, "down_mbit": 200,
+              "rtt_ms": 40}]  # fmt: skip
+    nodes, links = parse_swarm({"matchmaking_s": 2.0, "node": kinds}, get_preset("1b").n_params())
+    peers = {p.peer_id: p for p in nodes}
+    run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=50),
+                     OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
+    shape = RunShape.from_run(cost_model.run_variant(run, rank=48))
+    full = tuple(p.peer_id for p in nodes[:100])
+    alone = predict_round(peers, Assignment(full, (tuple(f"rtx4090-{i}" for i in range(4)),)), shape, links)
+    settled = predict_round(peers, Assignment(full), shape, links).tokens_per_s
+    assert alone.tokens_per_s < settled
+    live = live_assignment(nodes, shape, links)
+    assert len(live.full) == 100 and len(live.virtual) == 75
+    assert predict_round(peers, live, shape, links).tokens_per_s > 1.1 * settled
+    wide = live_assignment(nodes, RunShape.from_run(cost_model.run_variant(run, 30, 192)), links)
+    assert len(wide.full) == 100 and not wide.virtual
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_a_batch_of_joiners_taken_as_groups_never_leaves_the_full_replicas_slower_than_before(seed: int) -> None:
     """A joiner may be taken for a group of the ones after it (`full_cohort`); the next ones must then be able to
@@ -581,6 +613,7 @@ def test_bench_plan_reports_every_size_and_design_and_butterfly_never_moves_more
         moved = {d: b["max_exchange_bytes_down_per_peer"] for d, b in by_design.items()}
         assert moved["butterfly"] <= moved["today"] <= moved["all-to-all (before)"] <= moved["dense T_fixed (before)"]
         assert all(0 < b["weak_scaling"] <= b["used_scaling"] <= 1 for b in by_design.values())
+    assert all(r["best"]["tokens_per_s"] >= (1 - TOLERANCE) * r["live_tuned"]["tokens_per_s"] > 0 for r in rows)
     assert (cfg.out / PLOT).read_bytes().startswith(b"\x89PNG")
     assert "| 8 | today |" in (cfg.out / "report.md").read_text()
 

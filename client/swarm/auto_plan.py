@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import ChainMap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hetero_node.client.swarm.cost_model import (
@@ -68,6 +68,10 @@ class AutoPlan:
     live: Choice  # what the live planner (`plan` with `MarginalGain`) makes of the nodes, at the run's rank and H
     idle: tuple[str, ...]  # nodes the best plan leaves out
     links: LinkModel = field(default_factory=LinkModel)  # what the plan was made with
+    live_tuned: Choice | None = None
+    """The live planner at the best plan's H and rank (an operator who sets them before volunteers join), among the
+    best plan's candidates: the best is at most `TOLERANCE` slower (it may prefer a smaller H, a larger rank, fewer
+    replicas). None: the best plan is at the run's H and rank, so this is `live`."""
 
     def boundary_round_trips_ms(self, peers: Mapping[str, PeerInfo]) -> list[float]:
         """Each of the best plan's virtual replicas' round trips across its boundaries, as the model priced them."""
@@ -106,6 +110,7 @@ class MarginalGain:
 
     shape: RunShape
     links: LinkModel = field(default_factory=LinkModel)
+    _memo: VerdictMemo = field(default_factory=lambda: VerdictMemo(), compare=False, repr=False)
 
     def full_gain(
         self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
@@ -122,15 +127,31 @@ class MarginalGain:
     def pipeline_gain(
         self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
     ) -> tuple[bool, str] | None:
-        like = {f"{joiner.peer_id}#{s}": dataclasses.replace(joiner, peer_id=f"{joiner.peer_id}#{s}")
-                for s in range(self.shape.stages)}  # fmt: skip
-        more = Assignment(full, (*virtual, tuple(like)))
+        """As many pipelines of nodes like it as the unsettled stage joiners on links like its (itself included,
+        `stage_cohort`) form, one at least: every one of them gets the same verdict, so they are taken, or left on
+        standby, together. One pipeline of home nodes beside 100 datacenter replicas can cost the swarm (its holder
+        per shard moves the median upload that decides which members relay) while 75 pay: judged alone, as before,
+        each waited on standby. A batch of joiners holds a few kinds of node: one verdict per kind (`_memo`)."""
+        cohort = stage_cohort(peers, self.shape, joiner)
+        kind = dataclasses.replace(joiner, peer_id="", claimed_at=0.0)
+        return self._memo.verdict(peers, (full, virtual, len(cohort), kind),
+                                  lambda: self._pipelines_gain(peers, full, virtual, joiner, len(cohort)))  # fmt: skip
+
+    def _pipelines_gain(
+        self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo, cohort: int
+    ) -> tuple[bool, str] | None:
+        most = max(1, cohort // self.shape.stages)
+        like = {f"{joiner.peer_id}#{k}": dataclasses.replace(joiner, peer_id=f"{joiner.peer_id}#{k}")
+                for k in range(most * self.shape.stages)}  # fmt: skip
+        ids, stages = list(like), self.shape.stages
+        pipelines = [tuple(ids[k : k + stages]) for k in range(0, len(ids), stages)]
         nodes = ChainMap(like, peers)  # type: ignore[arg-type]  # read only
-        return self._gain(nodes, Assignment(full, virtual), [more], joiner, "a pipeline of nodes like it")
+        more = Assignment(full, (*virtual, *pipelines))
+        return self._gain(nodes, Assignment(full, virtual), [more], joiner, "a pipeline of nodes like it", "like it")
 
     def _gain(
         self, peers: Mapping[str, PeerInfo], now: Assignment, options: Sequence[Assignment], joiner: PeerInfo,
-        what: str = "it",
+        what: str = "it", others_are: str = "joining after it",
     ) -> tuple[bool, str] | None:  # fmt: skip
         """Whether one of `options` (each `now` with the joiner, and perhaps others like it) predicts more tokens/s
         than `now`: the first that does, else the best."""
@@ -146,7 +167,7 @@ class MarginalGain:
                 break
         assert after is not None, "no option to judge"
         others = best.replicas - now.replicas - 1
-        company = f" and {others} more joining after it" if others else ""
+        company = f" and {others} more {others_are}" if others else ""
         replicas = f"{others + 1} more replicas" if others else "one more replica"
         return after.tokens_per_s > before, (
             f"with {what}{company} as {replicas} the swarm's predicted tokens/s go {before:,.0f} → "
@@ -165,6 +186,40 @@ def full_cohort(peers: Mapping[str, PeerInfo], full_memory_bytes: int) -> list[s
         and p.requested_role != REQUEST_STAGE and p.pinned_stage < 0
     ]  # fmt: skip
     return [p.peer_id for p in sorted(cohort, key=lambda p: (-p.tokens_per_s, p.peer_id))]
+
+
+LIKE_LINK = 2.0
+"""Stage joiners count on each other's pipelines when their uploads are within this factor (exclusive): the
+planner groups pipelines by link, so a 40 Mbit/s node's pipeline is not made of 20 Mbit/s ones."""
+
+
+def stage_cohort(peers: Mapping[str, PeerInfo], shape: RunShape, joiner: PeerInfo) -> list[str]:
+    """The unsettled peers of known speed on links like the joiner's that could hold a stage but not the whole
+    model: the pipelines a stage joiner may count on forming beside it (a batch of joiners is judged before any of
+    them is placed), the joiner included."""
+    smallest, up = min(shape.stage_memory_bytes), max(joiner.upload_mbps, 1e-9)
+    return sorted(
+        p.peer_id for p in peers.values()
+        if p.role not in (ROLE_FULL, ROLE_STAGE) and p.tokens_per_s > 0
+        and smallest <= p.memory_bytes < shape.full_memory_bytes and 1 / LIKE_LINK < p.upload_mbps / up < LIKE_LINK
+    )  # fmt: skip
+
+
+@dataclass
+class VerdictMemo:
+    """Verdicts for one set of records (`peers`, by identity): a plan judges a batch against the same records."""
+
+    peers: object = None
+    verdicts: dict[object, tuple[bool, str] | None] = field(default_factory=dict)
+
+    def verdict(
+        self, peers: object, key: object, judge: Callable[[], tuple[bool, str] | None]
+    ) -> tuple[bool, str] | None:
+        if peers is not self.peers:
+            self.peers, self.verdicts = peers, {}
+        if key not in self.verdicts:
+            self.verdicts[key] = judge()
+        return self.verdicts[key]
 
 
 def live_assignment(peers: Iterable[PeerInfo], shape: RunShape, links: LinkModel = LinkModel()) -> Assignment:
@@ -281,6 +336,11 @@ def auto_plan(
     settings = [evaluate(layout, shape_for(h, r)) for h in h_choices for r in ranks]
     chosen = _choose([c for c in settings if c is not None] + pool)
     final = [*best_layout(chosen.inner_steps, chosen.rank), chosen]
+    tuned = None
+    if (chosen.inner_steps, chosen.rank) != (base.inner_steps, base.rank):
+        shape = shape_for(chosen.inner_steps, chosen.rank)
+        tuned = evaluate(live_assignment(by_id.values(), shape, links), shape)
+        final += [tuned] if tuned is not None and tuned.assignment.replicas else []
     best = _choose(final)
     used = set(best.assignment.nodes)
-    return AutoPlan(best, live, tuple(sorted(set(by_id) - used)), links)
+    return AutoPlan(best, live, tuple(sorted(set(by_id) - used)), links, tuned)
