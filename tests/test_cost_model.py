@@ -584,6 +584,11 @@ def test_plan_prints_the_optimised_plan_next_to_the_live_planner_and_writes_json
     virtual_row = next(line for line in out.splitlines() if "edge-" in line)  # narrow terminals wrap the rest
     assert "boundary" in out and virtual_row.rstrip("│ ").endswith("140")  # the replicas table's last column
     assert plan["best"]["inner_steps"] == 20 and plan["best"]["tokens_per_s"] >= 0.98 * plan["live"]["tokens_per_s"]
+    assert plan["live_tuned"] is None  # the plan keeps the run's own H and rank: `live` is it
+    code, out, err = run_main(monkeypatch, capsys, *args, "--h-choices", "10", "--json-out", str(out_json))
+    plan, tuned = json.loads(out_json.read_text()), json.loads(out_json.read_text())["live_tuned"]
+    assert code == 0 and tuned["inner_steps"] == plan["best"]["inner_steps"] == 10  # a third column in the table
+    assert plan["best"]["tokens_per_s"] >= (1 - TOLERANCE) * tuned["tokens_per_s"]
     code, _, err = run_main(monkeypatch, capsys, "plan", "--preset", "tiny")
     assert code == 1
     assert_one_line_error(err, "give --swarm FILE (a described swarm) or --peers ADDR (a live one)")

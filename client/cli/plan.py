@@ -185,6 +185,7 @@ def plan_json(result: AutoPlan, peers: dict[str, PeerInfo]) -> dict[str, Any]:
     return {
         "best": choice_summary(best, peers),
         "live": choice_summary(result.live, peers),
+        "live_tuned": choice_summary(result.live_tuned, peers) if result.live_tuned else None,
         "full": list(best.assignment.full),
         "virtual": [list(vr) for vr in best.assignment.virtual],
         "virtual_round_trips_ms": result.boundary_round_trips_ms(peers),
@@ -204,12 +205,15 @@ def _mb(n: float) -> str:
 def print_plan(
     result: AutoPlan, peers: dict[str, PeerInfo], cfg: PlanConfig, console: Console, baseline: str = "the live planner"
 ) -> None:
-    best, live = choice_summary(result.best, peers), choice_summary(result.live, peers)
+    columns = {"optimised": result.best, baseline: result.live}
+    if result.live_tuned is not None:  # what joiners would make of a run set to the optimised H and rank
+        columns["the live planner at its H and rank"] = result.live_tuned
+    summaries = [choice_summary(choice, peers) for choice in columns.values()]
     windows = ", slow replicas once per window (modelled)" if cfg.cadence else ""
     summary = Table(title=f"plan for {len(peers)} nodes ({cfg.exchange} exchange, {cfg.table_upkeep} T_fixed{windows})")
     summary.add_column("")
-    summary.add_column("optimised", justify="right")
-    summary.add_column(baseline, justify="right")
+    for title in columns:
+        summary.add_column(title, justify="right")
     rows = (
         ("full + virtual replicas", lambda s: f"{s['full_replicas']} + {s['virtual_replicas']}"),
         ("replicas that train", lambda s: str(s["contributors"])),
@@ -224,7 +228,7 @@ def print_plan(
          lambda s: f"{_mb(s['max_bytes_up_per_peer'])} / {_mb(s['max_bytes_down_per_peer'])}"),
     )  # fmt: skip
     for label, render in rows:
-        summary.add_row(label, render(best), render(live))
+        summary.add_row(label, *(render(s) for s in summaries))
     console.print(summary)
     table = Table(title="replicas (optimised plan)")
     for column in ("replica", "nodes (stage order)", "steps (batches) / rounds", "compute s", "exchange s", "MB up",
