@@ -96,6 +96,23 @@ def requirements(shape: RunShape) -> Requirements:
     )
 
 
+@dataclass
+class VerdictMemo:
+    """Verdicts for one set of records (`peers`, by identity): a plan judges a batch against the same records."""
+
+    peers: object = None
+    verdicts: dict[object, tuple[bool, str] | None] = field(default_factory=dict)
+
+    def verdict(
+        self, peers: object, key: object, judge: Callable[[], tuple[bool, str] | None]
+    ) -> tuple[bool, str] | None:
+        if peers is not self.peers:
+            self.peers, self.verdicts = peers, {}
+        if key not in self.verdicts:
+            self.verdicts[key] = judge()
+        return self.verdicts[key]
+
+
 @dataclass(frozen=True)
 class MarginalGain:
     """The live planner's judge of a joiner (`planner.SwarmModel`), by the cost model: a joiner that holds the whole
@@ -110,7 +127,7 @@ class MarginalGain:
 
     shape: RunShape
     links: LinkModel = field(default_factory=LinkModel)
-    _memo: VerdictMemo = field(default_factory=lambda: VerdictMemo(), compare=False, repr=False)
+    _memo: VerdictMemo = field(default_factory=VerdictMemo, compare=False, repr=False)
 
     def full_gain(
         self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo
@@ -134,16 +151,16 @@ class MarginalGain:
         each waited on standby. A batch of joiners holds a few kinds of node: one verdict per kind (`_memo`)."""
         cohort = stage_cohort(peers, self.shape, joiner)
         kind = dataclasses.replace(joiner, peer_id="", claimed_at=0.0)
-        return self._memo.verdict(peers, (full, virtual, len(cohort), kind),
-                                  lambda: self._pipelines_gain(peers, full, virtual, joiner, len(cohort)))  # fmt: skip
+        return self._memo.verdict(peers, (full, virtual, cohort, kind),
+                                  lambda: self._pipelines_gain(peers, full, virtual, joiner, cohort))  # fmt: skip
 
     def _pipelines_gain(
         self, peers: Mapping[str, PeerInfo], full: tuple[str, ...], virtual: Replicas, joiner: PeerInfo, cohort: int
     ) -> tuple[bool, str] | None:
-        most = max(1, cohort // self.shape.stages)
+        stages = self.shape.stages
         like = {f"{joiner.peer_id}#{k}": dataclasses.replace(joiner, peer_id=f"{joiner.peer_id}#{k}")
-                for k in range(most * self.shape.stages)}  # fmt: skip
-        ids, stages = list(like), self.shape.stages
+                for k in range(max(1, cohort // stages) * stages)}  # fmt: skip
+        ids = list(like)
         pipelines = [tuple(ids[k : k + stages]) for k in range(0, len(ids), stages)]
         nodes = ChainMap(like, peers)  # type: ignore[arg-type]  # read only
         more = Assignment(full, (*virtual, *pipelines))
@@ -193,33 +210,16 @@ LIKE_LINK = 2.0
 planner groups pipelines by link, so a 40 Mbit/s node's pipeline is not made of 20 Mbit/s ones."""
 
 
-def stage_cohort(peers: Mapping[str, PeerInfo], shape: RunShape, joiner: PeerInfo) -> list[str]:
-    """The unsettled peers of known speed on links like the joiner's that could hold a stage but not the whole
+def stage_cohort(peers: Mapping[str, PeerInfo], shape: RunShape, joiner: PeerInfo) -> int:
+    """How many unsettled peers of known speed on links like the joiner's could hold a stage but not the whole
     model: the pipelines a stage joiner may count on forming beside it (a batch of joiners is judged before any of
     them is placed), the joiner included."""
     smallest, up = min(shape.stage_memory_bytes), max(joiner.upload_mbps, 1e-9)
-    return sorted(
-        p.peer_id for p in peers.values()
+    return sum(
+        1 for p in peers.values()
         if p.role not in (ROLE_FULL, ROLE_STAGE) and p.tokens_per_s > 0
         and smallest <= p.memory_bytes < shape.full_memory_bytes and 1 / LIKE_LINK < p.upload_mbps / up < LIKE_LINK
     )  # fmt: skip
-
-
-@dataclass
-class VerdictMemo:
-    """Verdicts for one set of records (`peers`, by identity): a plan judges a batch against the same records."""
-
-    peers: object = None
-    verdicts: dict[object, tuple[bool, str] | None] = field(default_factory=dict)
-
-    def verdict(
-        self, peers: object, key: object, judge: Callable[[], tuple[bool, str] | None]
-    ) -> tuple[bool, str] | None:
-        if peers is not self.peers:
-            self.peers, self.verdicts = peers, {}
-        if key not in self.verdicts:
-            self.verdicts[key] = judge()
-        return self.verdicts[key]
 
 
 def live_assignment(peers: Iterable[PeerInfo], shape: RunShape, links: LinkModel = LinkModel()) -> Assignment:
