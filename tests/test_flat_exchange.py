@@ -96,6 +96,29 @@ def test_slow_uplinks_are_leaves_and_a_slow_author_uploads_one_copy(size: int, s
                if m != a)  # fmt: skip
 
 
+@pytest.mark.parametrize(("fast_count", "slow_count"), [(4, 12), (6, 17), (10, 13), (100, 135)])
+def test_home_volunteers_that_are_most_of_the_group_stay_leaves_under_the_fast_members(
+    fast_count: int, slow_count: int
+) -> None:
+    """More slow members than the fast can take FANOUT at a time: the slow still never relay, the fast take them in
+    turn (at most ⌈slow / fast⌉ + FANOUT children each), and every member is still reached. The reference is the
+    upper quartile, so this holds while the fast are a quarter of the group: with the median, 135 home members of
+    235 would not have been slow at all."""
+    members = [f"peer-{i:05d}" for i in range(fast_count + slow_count)]
+    uplinks = {m: (10_000.0 if i % 4 == 0 else 1_000.0) for i, m in enumerate(members[:fast_count])}
+    uplinks |= {m: (40.0 if i % 2 else 20.0) for i, m in enumerate(members[fast_count:])}
+    slow = slow_uplinks(uplinks, members)
+    assert slow == set(members[fast_count:])
+    bound = FANOUT + math.ceil(slow_count / fast_count)
+    for author in members[:: max(1, len(members) // 12)]:
+        children = tree_children(members, author, slow, max_hops=math.floor(math.log2(fast_count + 1)) + 2)
+        assert not (set(children) - {author}) & slow  # no slow member relays
+        assert max(children.values()) <= bound
+        assert sum(children.values()) == len(members) - 1  # everyone reached
+    everyone_slow = {m: 20.0 for m in members}
+    assert slow_uplinks(everyone_slow, members) == set()  # alike links: nobody is slow, the usual tree
+
+
 SHAPES = [(64, 48), (300,)]
 
 
