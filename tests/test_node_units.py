@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from hetero_node.client.node.run_definition import public_swarm_rule
 from hetero_node.client.outer.shard_state import transfer_timeout
 from hetero_node.client.outer.shard_sync import majority_fingerprint
 from hetero_node.client.roles.checkpoint import CHECKPOINT_NAME, CheckpointWriter, load_checkpoint, save_checkpoint
+from hetero_node.client.roles.stage_peer import table_donors
 from hetero_node.client.swarm.addresses import parse_peer_multiaddrs
 from hetero_node.client.swarm.cost_model import RunShape
 from hetero_node.client.swarm.planner import Requirements
@@ -441,3 +443,16 @@ def test_a_node_too_small_for_the_model_times_the_stage_it_would_hold_as_the_who
     everything = max(shape.stage_memory_bytes)
     assert timed_stage(shape, everything, -1) == 3  # the last stage carries the head: the most FLOPs
     assert timed_stage(shape, everything, 1) == 1 and timed_stage(shape, 0, -1) is None
+
+
+def test_a_later_stage_asks_fast_donors_for_the_table_change_each_fetcher_in_its_own_order() -> None:
+    """A home stage 0 (40 Mbit/s) serving its pipeline's later stages held them up for its upload: they ask the
+    datacenter nodes first, spread over them, and the slow ones only after."""
+    uplinks = {f"dc-{i}": 10_000.0 for i in range(8)} | {f"home-{i}": 40.0 for i in range(6)}
+    firsts: Counter[str] = Counter()
+    for fetcher in range(64):
+        order = table_donors(uplinks, f"stage-{fetcher}")
+        assert sorted(order) == sorted(uplinks)
+        assert all(pid.startswith("dc-") for pid in order[:8])  # every fast donor before any slow one
+        firsts[order[0]] += 1
+    assert len(firsts) == 8 and max(firsts.values()) <= 20  # the first asked is spread over the fast donors
