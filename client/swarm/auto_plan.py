@@ -147,8 +147,8 @@ class MarginalGain:
         """As many pipelines of nodes like it as the unsettled stage joiners on links like its (itself included,
         `stage_cohort`) form, one at least: every one of them gets the same verdict, so they are taken, or left on
         standby, together. One pipeline of home nodes beside 100 datacenter replicas can cost the swarm (its holder
-        per shard moves the median upload that decides which members relay) while 75 pay: judged alone, as before,
-        each waited on standby. A batch of joiners holds a few kinds of node: one verdict per kind (`_memo`)."""
+        per shard adds a slow author the others wait for) while 75 pay: judged alone, as before, each waited on
+        standby. A batch of joiners holds a few kinds of node: one verdict per kind (`_memo`)."""
         cohort = stage_cohort(peers, self.shape, joiner)
         kind = dataclasses.replace(joiner, peer_id="", claimed_at=0.0)
         return self._memo.verdict(peers, (full, virtual, cohort, kind),

@@ -20,9 +20,10 @@ One round, as the protocol runs it:
   (all C when K is 0 or ≥ C; DiLoCo: all, from their authors) to every member through per-author relay trees,
   K(C−1)/C messages each way on average (an average: a member inside most of the K trees uploads up to 2K), plus per
   tree level (⌊log2 C⌋) a round trip and, below the first, one message's store-and-forward at a relay's link (a
-  relay re-serves a message once it has all of it; members whose upload is below a quarter of the median are leaves
-  that upload their own message once, never relay, and wait at the median relay's link; the others carry the rest
-  at their own; the hop a slow author's message takes through a fast member is not priced: a round trip and a fast
+  relay re-serves a message once it has all of it; members whose upload is below a quarter of the upper quartile
+  (`slow_uplinks`) are leaves that upload their own message once, never relay, and wait at the median relay's
+  link; the others carry the rest at their own; the hop a slow author's message takes through a fast member is
+  not priced: a round trip and a fast
   store-and-forward, against a slow copy saved);
   all-to-all (the protocol before) downloads every other member's
   message and serves its own to each of them; butterfly (a sparse reduce-scatter and all-gather) moves about two
@@ -32,18 +33,22 @@ One round, as the protocol runs it:
   ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead (DHT
   records, matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a matchmaking
   overhead and a round trip;
-* the round is the window plus the slowest member's exchange; with overlap, full replicas hide their exchange
-  behind the next window, so the round is the longer of the two (stage peers still wait theirs out).
+* T_fixed's changes are served by the shard-0 holders that are not on slow uplinks (`table_donors`), the load
+  shared among them;
+* the round is the window plus the longest exchange the others wait on: a relay's whole exchange, a slow leaf's
+  own message upload (`_exchanges`). A replica still busy with its own exchange after that (a slow leaf's downloads,
+  a later stage's T_fixed upkeep) starts its next window late and trains that much less, as the protocol's
+  earliest deadline makes it (`_late_s`; on the netlab a home volunteer at 5 Mbit/s trained 12% fewer steps and
+  lengthened the others' rounds by 0.9%, bench/README, *A home volunteer on a slow link*). With overlap, full
+  replicas hide their exchange behind the next window, so the round is the longer of the two (stage peers still
+  wait theirs out).
 
-With `cadence` (modelled; the protocol does not run it yet) a replica that would lengthen the round leaves its
-critical path: the *core* (replicas that train `min_inner_steps` in the window and whose exchange is within
-`CORE_EXCHANGE_SLACK` of the fastest replica's) sets the round as above, and every other replica contributes once
-per w rounds (w from `STALE_TOKEN_VALUE`), training from the θ it loaded for w rounds less its own exchange and
-its catching up (each skipped round's download, taken in turn with training, not overlapped). Such a contribution
-is w − 1 outer steps stale, so its tokens count at the value the algorithm lab measured for w
+With `cadence` (modelled; the protocol does not run it yet) a replica that starts late may instead contribute
+once per w rounds (w from `STALE_TOKEN_VALUE`), training from the θ it loaded for w rounds less its own exchange
+and its catching up (each skipped round's download, taken in turn with training, not overlapped). Such a
+contribution is w − 1 outer steps stale, so its tokens count at the value the algorithm lab measured for w
 (`hetero-node-lab sim --slow-windows`); each replica takes the w with the most tokens of value per round. The lab
-found stale tokens worth little (0.30 at best), so w = 1 wins wherever it fits: a slow-link replica stops training
-early enough that its own exchange ends with the round's, and contributes fresh every round.
+found stale tokens worth little (0.30 at best), so w = 1, today's rule, wins wherever it fits.
 """
 
 from __future__ import annotations
@@ -74,8 +79,6 @@ replica's under the best rule the algorithm lab measured, only the windows it me
 bench/README, *Slow replicas*): fresh every round 1.08, capped at 1; one round stale 0.30 (rebased: its Δ taken
 from the θ it is applied to; discounted 0.03, plain −0.13); three rounds stale ≤ 0 under every rule tried. So the
 model's windowed replicas contribute every round (w = 1) wherever they can."""
-CORE_EXCHANGE_SLACK = 0.25
-"""Under `cadence`, a replica whose exchange exceeds the fastest replica's by more than this is off the core."""
 
 
 @dataclass(frozen=True)
@@ -407,6 +410,8 @@ def exchange_hops(contributors: int, exchange: str) -> int:
 
 Member = tuple[str, str, int, int, tuple[int, ...]]
 """(peer, role, replica, stage, shards held) of one node in an assignment."""
+Exchange = tuple[float, float, float, float]
+"""(bytes up, bytes down, seconds, seconds the others wait on it) of one node's round exchange (`_exchanges`)."""
 
 
 def predict_round(
@@ -427,8 +432,9 @@ def predict_round(
     ]
     roles = {replica: role for _, role, replica, _, _ in members}
 
-    def replica_exchange(exchanges: Mapping[str, tuple[float, float, float]]) -> list[float]:
-        return [max((exchanges[p][2] for p, _, r, _, _ in members if r == i), default=0.0) for i in range(len(paces))]
+    def replica_exchange(exchanges: Mapping[str, Exchange], field: int = 2) -> list[float]:
+        return [max((exchanges[p][field] for p, _, r, _, _ in members if r == i), default=0.0)
+                for i in range(len(paces))]  # fmt: skip
 
     steps, own = _steps_in(base, 1, paces, shape)
     trains = [math.isfinite(s) for s in step_s] if links.cadence else [n > 0 for n in steps]
@@ -442,21 +448,26 @@ def predict_round(
             trains, exchanges = stretched_trains, _exchanges(peers, members, stretched_trains, shape, links, latency)
     batches = [n * a for n, a in zip(steps, own, strict=True)]
     every = [1] * len(paces)
-    per_replica = replica_exchange(exchanges)
-    if links.cadence and finite:
-        core = _core(step_s, steps, per_replica)
-        round_s = _round_s(window, [(roles[r], per_replica[r]) for r in core], shape)
-        for r in set(range(len(paces))) - core:  # catching up: a round's download, for each round it skips
+    per_replica, holding = replica_exchange(exchanges), replica_exchange(exchanges, 3)
+    live = [r for r in range(len(paces)) if trains[r]]
+    round_s = _round_s(window, [(roles[r], holding[r]) for r in live], shape)
+    for r in live:  # a replica still busy with its exchange when the others start trains less (`_late_s`)
+        late = _late_s(roles[r], per_replica[r], window, round_s, shape)
+        if late <= 0:
+            continue
+        if links.cadence:  # catching up: a round's download, for each round it skips
             catch_up = max(_transfer_s(0, exchanges[p][1], peers[p]) for p, _, i, _, _ in members if i == r)
-            batches[r], every[r] = _window(paces[r], per_replica[r], catch_up, round_s, shape)
-            steps[r] = min(batches[r], shape.inner_steps)
-    else:
-        round_s = _round_s(window, [(roles[r], per_replica[r]) for r in range(len(paces)) if steps[r]], shape)
+            n, w = _window(paces[r], per_replica[r], catch_up, round_s, shape)
+            if w > 1:
+                batches[r], every[r], steps[r] = n, w, min(n, shape.inner_steps)
+                continue
+        (steps[r],), (own[r],) = _steps_in(window, accumulation, [paces[r]], shape, late)
+        batches[r] = steps[r] * own[r]
 
     nodes = {}
     for peer_id, role, replica, stage, _ in members:
         peer, n = peers[peer_id], batches[replica]
-        up, down, exchange_s = exchanges[peer_id] if n else (0.0, 0.0, 0.0)
+        up, down, exchange_s, _ = exchanges[peer_id] if n else (0.0, 0.0, 0.0, 0.0)
         down *= every[replica]  # a windowed replica catches up every round it skipped
         b_up, b_down = (n * b for b in boundary_bytes(stage, shape)) if role == "stage" else (0, 0)
         up, down = up + b_up, down + b_down
@@ -487,17 +498,17 @@ def _exchange_kind(shape: RunShape, links: LinkModel) -> str:
 
 
 def _steps_in(
-    window: float, accumulation: int, paces: Sequence[tuple[float, float]], shape: RunShape
+    window: float, accumulation: int, paces: Sequence[tuple[float, float]], shape: RunShape, late: float = 0.0
 ) -> tuple[list[int], list[int]]:
-    """(inner steps, batches per step) of each replica in the window: the round's `accumulation`, or fewer batches
-    where that leaves a slow replica under a quarter of H steps (`own_batches_per_step`; the nodes' clock folds a
-    pipeline's per-step fill into its measured time per batch, the model keeps it apart); no steps below
-    `min_inner_steps`."""
+    """(inner steps, batches per step) of each replica in the window, starting `late`: the round's `accumulation`,
+    or fewer batches where that leaves a slow replica under a quarter of H steps in the whole window
+    (`own_batches_per_step`; the nodes' clock folds a pipeline's per-step fill into its measured time per batch,
+    the model keeps it apart); no steps below `min_inner_steps`."""
     steps, own = [], []
     for per_batch, per_step in paces:
         finite = math.isfinite(per_batch + per_step)
         a = own_batches_per_step(window, shape.inner_steps, per_batch, per_step, accumulation) if finite else 1
-        n = int(window / (a * per_batch + per_step) + 1e-9) if finite else 0
+        n = int(max(window - late, 0.0) / (a * per_batch + per_step) + 1e-9) if finite else 0
         steps.append(n if n >= shape.min_inner_steps else 0)
         own.append(a)
     return steps, own
@@ -518,21 +529,30 @@ def _stretched(base: float, full_exchanges: Sequence[float], shape: RunShape) ->
 def _exchanges(
     peers: Mapping[str, PeerInfo], members: Sequence[Member], trains: Sequence[bool], shape: RunShape,
     links: LinkModel, latency: Latency,
-) -> dict[str, tuple[float, float, float]]:  # fmt: skip
-    """peer → (bytes up, bytes down, seconds) of its round's exchange: the messages of the shards it holds, T_fixed,
-    the protocol's overhead; nothing for a replica that does not train."""
+) -> dict[str, Exchange]:  # fmt: skip
+    """peer → (bytes up, bytes down, seconds, seconds the others wait on it) of its round's exchange: the messages of
+    the shards it holds, T_fixed, the protocol's overhead; nothing for a replica that does not train.
+
+    The others wait on a relay's whole exchange (its children need what it downloads and re-serves), but on a slow
+    leaf only for its own message, one upload when it is selected: its downloads and T_fixed's upkeep delay its
+    own next window alone (`_late_s`). T_fixed's changes are served by the shard-0 holders that are not slow
+    (`client/roles/stage_peer.py: table_donors`)."""
     contributors = sum(1 for t in trains if t)
     exchange = _exchange_kind(shape, links)
     limit = shape.max_contributors if exchange == "relay-tree" else 0
     slow = _slow_holders(peers, members, trains, shape.stages) if exchange == "relay-tree" else {}
     relays = _typical_relays(peers, members, trains, slow)
-    shard0_holders = sum(1 for _, _, replica, stage, _ in members if stage <= 0 and trains[replica])
+    shard0 = [p for p, _, replica, stage, _ in members if stage <= 0 and trains[replica]]
+    table_servers = [p for p in shard0 if p not in slow.get(0, ())] or shard0
     table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and trains[replica])
+    table_down, table_up = _table_upkeep_bytes(
+        shape, links, aggregated(contributors, limit), len(table_servers), table_fetchers
+    )
     exchanges = {}
     for peer_id, _, replica, stage, shards in members:
         peer = peers[peer_id]
         if not trains[replica]:
-            exchanges[peer_id] = (0.0, 0.0, 0.0)
+            exchanges[peer_id] = (0.0, 0.0, 0.0, 0.0)
             continue
         down = links.overhead_bytes + sum(
             exchange_bytes(shape.shard_message_bytes[s], contributors, exchange, limit) for s in shards
@@ -543,28 +563,26 @@ def _exchanges(
                 relay_upload_bytes(shape.shard_message_bytes[s], contributors, limit, len(slow[s]), peer_id in slow[s])
                 for s in shards
             )
-        table_down, table_up = _table_upkeep_bytes(
-            shape, links, aggregated(contributors, limit), shard0_holders, table_fetchers
-        )
-        if stage > 0:
-            down += table_down
-        else:
-            up += table_up
+        leaf = bool(shards) and all(peer_id in slow.get(s, ()) for s in shards)
+        own_message = links.overhead_bytes + sum(shape.shard_message_bytes[s] for s in shards)
+        waited = _transfer_s(own_message, 0, peer) if leaf else _transfer_s(up, down, peer)
+        down += table_down if stage > 0 else 0.0
+        up += table_up if stage <= 0 and peer_id in table_servers else 0.0
         hops = exchange_hops(contributors, exchange)
         # a tree level: its relay stores a whole message, then forwards it; a slow leaf's relays are not itself
         via = {s: relays.get(s, peer) if peer_id in slow.get(s, ()) else peer for s in shards}
         level_s = sum(_transfer_s(shape.shard_message_bytes[s], shape.shard_message_bytes[s], via[s]) for s in shards)
-        hops_s = hops * latency.hop_ms(peer) / 1e3 + (hops - 1) * level_s
-        exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + links.matchmaking_s + hops_s)
+        fixed_s = links.matchmaking_s + hops * latency.hop_ms(peer) / 1e3 + (hops - 1) * level_s
+        exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + fixed_s, waited + fixed_s)
     return exchanges
 
 
-def _core(step_s: Sequence[float], steps: Sequence[int], exchange_s: Sequence[float]) -> set[int]:
-    """The replicas that run every round (`cadence`): they train the window's minimum and their exchange is within
-    `CORE_EXCHANGE_SLACK` of the fastest replica's."""
-    fastest = min(range(len(step_s)), key=lambda r: step_s[r])
-    bound = (1 + CORE_EXCHANGE_SLACK) * exchange_s[fastest]
-    return {r for r in range(len(step_s)) if steps[r] and exchange_s[r] <= bound}
+def _late_s(role: str, exchange_s: float, window: float, round_s: float, shape: RunShape) -> float:
+    """How long after the others start their next window a replica whose own exchange takes `exchange_s` is still
+    busy with it: it then adopts their deadline (`client/roles/schedule.py`: the earliest one announced) and trains
+    that much less. Under overlap a full replica's exchange runs behind the next window."""
+    behind = role == "full" and shape.overlap
+    return exchange_s - (round_s if behind else round_s - window)
 
 
 def _window(
