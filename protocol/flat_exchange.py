@@ -29,7 +29,8 @@ from hetero_node.protocol.outer_specs import outer_spec
 from hetero_node.protocol.run_config import OuterConfig
 
 FANOUT = 2
-"""Children per member in a message's relay tree: what each member uploads per selected message."""
+"""Children per member in a message's relay tree: what each member uploads per selected message (a fast member
+takes more where slow ones are most of the group, `relay_parent`)."""
 SLOW_UPLINK_SHARE = 0.25
 """A member whose advertised upload is below this share of the group's upper quartile is a leaf of every relay
 tree."""
@@ -72,11 +73,14 @@ def slow_uplinks(uplinks: Mapping[str, float], members: Sequence[str]) -> frozen
     from 85 to 105 s); it still takes a quarter of the members to move it. Members without a known figure are not
     slow; members that read other figures build other trees, which costs time, never correctness (a parent that
     does not relay a message still fetches it for itself, and a child that waits too long asks the author)."""
+    below = slow_uplink_below(uplinks, members)
+    return frozenset(m for m in members if m in uplinks and uplinks[m] < below)
+
+
+def slow_uplink_below(uplinks: Mapping[str, float], members: Sequence[str]) -> float:
+    """The upload below which a member of this group is slow (`slow_uplinks`); 0 when no figure is known."""
     known = sorted(uplinks[m] for m in members if m in uplinks)
-    if not known:
-        return frozenset()
-    reference = known[3 * len(known) // 4]
-    return frozenset(m for m in members if m in uplinks and uplinks[m] < SLOW_UPLINK_SHARE * reference)
+    return SLOW_UPLINK_SHARE * known[3 * len(known) // 4] if known else 0.0
 
 
 def relay_parent(members: Sequence[str], author: str, me: str, slow: Collection[str] = ()) -> str:

@@ -206,6 +206,24 @@ def test_with_windows_a_replica_that_would_hold_the_round_trains_less_and_contri
     assert p.tokens_per_s == pytest.approx((2 * 10 + 7 * 0.8 / 4) * 100 / p.round_s)
 
 
+
+def test_a_replica_too_late_or_too_slow_for_one_step_sits_out_and_windows_still_take_a_slow_one() -> None:
+    """A replica whose downloads outlast the whole window sits the round out: it is no contributor and the others
+    download nothing of it. One whose compute fits no step in a window trains nothing today; with windows it
+    contributes once per w rounds (here 2: one step of 20 s in two rounds of 11 s, its tokens at 0.30)."""
+    late = {"a": peer("a", 100, 8), "b": peer("b", 100, 8), "s": PeerInfo("s", 16 * GB, 1, 1e-4, 100)}
+    p = predict_round(late, Assignment(("a", "b", "s")), SHAPE, BARE)
+    assert p.nodes["s"].steps == 0 and p.contributors == 2
+    assert p.nodes["a"].bytes_down == 4000  # b's message only
+    assert p.round_s == pytest.approx(p.window_s + p.nodes["a"].exchange_s)
+    slow = {"a": peer("a", 100, 8), "b": peer("b", 100, 8), "s": peer("s", 5, 8)}
+    today = predict_round(slow, Assignment(("a", "b", "s")), SHAPE, BARE)
+    assert today.nodes["s"].steps == 0 and today.contributors == 2
+    windows = predict_round(slow, Assignment(("a", "b", "s")), SHAPE, dataclasses.replace(BARE, cadence=True))
+    s = windows.nodes["s"]
+    assert (s.every, s.batches) == (2, 1) and windows.contributors == 3
+    assert windows.tokens_per_s == pytest.approx((2 * 10 + 0.3 * 1 / 2) * 100 / windows.round_s)
+
 def test_butterfly_bytes_stay_flat_while_all_to_all_grows_with_the_swarm() -> None:
     for replicas in (2, 4, 16, 1000):
         assert exchange_bytes(1000, replicas, "all-to-all") == (replicas - 1) * 1000

@@ -87,7 +87,7 @@ def test_slow_uplinks_are_leaves_and_a_slow_author_uploads_one_copy(size: int, s
     for author in members:  # every member is still reached, in one hop more at most
         children = tree_children(members, author, slow, max_hops=math.floor(math.log2(size)) + 1)
         assert max(children.values()) <= FANOUT
-        assert not (set(children) - {author}) & slow  # no slow member relays (they are at most half the group)
+        assert not (set(children) - {author}) & slow  # no slow member relays
         if author in slow:
             assert children[author] == 1  # a slow author uploads its message once
     fast = {m: 1000.0 for m in members}
@@ -115,6 +115,8 @@ def test_home_volunteers_that_are_most_of_the_group_stay_leaves_under_the_fast_m
         assert not (set(children) - {author}) & slow  # no slow member relays
         assert max(children.values()) <= bound
         assert sum(children.values()) == len(members) - 1  # everyone reached
+        if author in slow:
+            assert children[author] == 1  # a slow author still uploads its message once
     everyone_slow = {m: 20.0 for m in members}
     assert slow_uplinks(everyone_slow, members) == set()  # alike links: nobody is slow, the usual tree
 

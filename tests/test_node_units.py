@@ -447,12 +447,16 @@ def test_a_node_too_small_for_the_model_times_the_stage_it_would_hold_as_the_who
 
 def test_a_later_stage_asks_fast_donors_for_the_table_change_each_fetcher_in_its_own_order() -> None:
     """A home stage 0 (40 Mbit/s) serving its pipeline's later stages held them up for its upload: they ask the
-    datacenter nodes first, spread over them, and the slow ones only after."""
-    uplinks = {f"dc-{i}": 10_000.0 for i in range(8)} | {f"home-{i}": 40.0 for i in range(6)}
+    datacenter nodes first, spread over them, and the slow ones only after; slow as judged among the shard-0
+    holders, even where home later stages that already hold the table are most of the donors."""
+    holders = {f"dc-{i}": 10_000.0 for i in range(8)} | {f"home-{i}": 40.0 for i in range(6)}
+    donors = holders | {f"later-{i}": 20.0 for i in range(30)}  # most donors at home: no quartile of theirs is fast
     firsts: Counter[str] = Counter()
     for fetcher in range(64):
-        order = table_donors(uplinks, f"stage-{fetcher}")
-        assert sorted(order) == sorted(uplinks)
+        order = table_donors(donors, holders, f"stage-{fetcher}")
+        assert sorted(order) == sorted(donors)
         assert all(pid.startswith("dc-") for pid in order[:8])  # every fast donor before any slow one
         firsts[order[0]] += 1
     assert len(firsts) == 8 and max(firsts.values()) <= 20  # the first asked is spread over the fast donors
+    alike = {f"home-{i}": 40.0 for i in range(6)}
+    assert {table_donors(alike, alike, f"stage-{f}")[0] for f in range(64)} == set(alike)  # nobody slow: all spread

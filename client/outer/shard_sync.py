@@ -25,7 +25,8 @@ How a round's messages travel (the design choice the README explains):
 The metadata's and the manifest's formats, and the blob kinds, are `protocol/round_wire.py`; this module is the
 transport and the order of events.
 
-Each member downloads at most K messages and uploads each at most twice (FANOUT), i.e. ≤ K·0.0273·N bytes down and
+Each member downloads at most K messages and uploads each at most twice (FANOUT; a fast member more where slow
+ones are most of the group), i.e. ≤ K·0.0273·N bytes down and
 ≤ 2K·0.0273·N up per round for SparseLoCo whatever the group's size R (all-to-all: (R−1)·0.0273·N each way).
 A butterfly all-reduce of the same sparse vectors would return the union of all selections
 (denser with each peer) and lose the 2-bit value codes; and none of hivemind's partial-average failure modes can

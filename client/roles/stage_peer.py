@@ -50,7 +50,7 @@ from hetero_node.models.data import ShardBatches, TokenStore, val_batches
 from hetero_node.models.shards import fingerprint, shard_parameter_names, shard_tensors
 from hetero_node.models.subspace import apply_embedding_change, transferred_table
 from hetero_node.models.trainer import InnerTrainer, resolve_device
-from hetero_node.protocol.flat_exchange import slow_uplinks
+from hetero_node.protocol.flat_exchange import slow_uplink_below
 from hetero_node.protocol.keys import stage_handler_name
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import ROLE_STAGE
@@ -62,18 +62,19 @@ MAX_STEPS_FACTOR = 64
 """Without --max-inner-steps, a stage accepts step indices up to this many times H (anything above is garbage)."""
 
 
-def table_donors(uplinks: Mapping[str, float], me: str) -> list[str]:
-    """The order in which a later stage asks the peers of `uplinks` (id → advertised upload) for T_fixed's upkeep:
-    those not on slow uplinks first (`slow_uplinks`), each fetcher in its own order (a hash of both ids) so the fast
-    ones share the load. Its own stage 0 first, as before, made a home stage 0 upload 47 MB of changes to each of
-    its three later stages a round at 40 Mbit/s (the cost model, `1b` at rank 48): 28 s before its pipeline could
-    train again."""
-    slow = slow_uplinks(uplinks, list(uplinks))
+def table_donors(donors: Mapping[str, float], holders: Mapping[str, float], me: str) -> list[str]:
+    """The order in which a later stage asks `donors` (id → advertised upload) for T_fixed's upkeep: those not on
+    slow uplinks among the shard-0 `holders` (`slow_uplink_below`; later stages that already hold the table may be
+    donors too, and most of them may be home nodes) first, each fetcher in its own order (a hash of both ids) so the
+    fast ones share the load. Its own stage 0 first, as before, made a home stage 0 upload 47 MB of changes to each
+    of its three later stages a round at 40 Mbit/s (the cost model, `1b` at rank 48): 28 s before its pipeline
+    could train again."""
+    below = slow_uplink_below(holders, list(holders))
 
     def spread(pid: str) -> bytes:
         return hashlib.blake2b(f"{me}/{pid}".encode(), digest_size=8).digest()
 
-    return sorted(uplinks, key=lambda pid: (pid in slow, spread(pid)))
+    return sorted(donors, key=lambda pid: (donors[pid] < below, spread(pid)))
 
 
 class StagePeer(Replica):
@@ -310,6 +311,7 @@ class StagePeer(Replica):
                 {pid: r.upload_mbps for pid, r in records.items()
                  if view.spans(r, new_round) and FIXED in r.fingerprints and pid not in failed
                  and r.fingerprints[FIXED] == vouched[FIXED]},
+                {pid: r.upload_mbps for pid, r in view.shard_donors(records, 0).items()},
                 self.me,
             )  # fmt: skip
             there = [pid for pid in donors if records[pid].round == new_round]  # a change is served for its round
@@ -318,7 +320,7 @@ class StagePeer(Replica):
             for pid in donors:
                 if self.fetch_tables(pid, records[pid], vouched):
                     return True
-                if pid != mate:  # gone, or moved on meanwhile (a peer serves only its newest table)
+                if pid != mate:  # gone, or moved on (a peer serves only its newest table); our stage 0 stays
                     failed.add(pid)
             if not donors and view.swarm_round(voters, self.me) > new_round:
                 break  # catching up: peers serve only their newest table, and all have moved past this one

@@ -410,6 +410,8 @@ def exchange_hops(contributors: int, exchange: str) -> int:
 
 Member = tuple[str, str, int, int, tuple[int, ...]]
 """(peer, role, replica, stage, shards held) of one node in an assignment."""
+LATE_TOLERANCE_S = 1e-6
+"""Lateness below this is rounding, not a replica still busy with its exchange."""
 Exchange = tuple[float, float, float, float]
 """(bytes up, bytes down, seconds, seconds the others wait on it) of one node's round exchange (`_exchanges`)."""
 
@@ -447,22 +449,31 @@ def predict_round(
         if stretched_trains != trains:
             trains, exchanges = stretched_trains, _exchanges(peers, members, stretched_trains, shape, links, latency)
     batches = [n * a for n, a in zip(steps, own, strict=True)]
-    every = [1] * len(paces)
-    per_replica, holding = replica_exchange(exchanges), replica_exchange(exchanges, 3)
-    live = [r for r in range(len(paces)) if trains[r]]
-    round_s = _round_s(window, [(roles[r], holding[r]) for r in live], shape)
-    for r in live:  # a replica still busy with its exchange when the others start trains less (`_late_s`)
-        late = _late_s(roles[r], per_replica[r], window, round_s, shape)
-        if late <= 0:
-            continue
-        if links.cadence:  # catching up: a round's download, for each round it skips
-            catch_up = max(_transfer_s(0, exchanges[p][1], peers[p]) for p, _, i, _, _ in members if i == r)
-            n, w = _window(paces[r], per_replica[r], catch_up, round_s, shape)
-            if w > 1:
-                batches[r], every[r], steps[r] = n, w, min(n, shape.inner_steps)
-                continue
-        (steps[r],), (own[r],) = _steps_in(window, accumulation, [paces[r]], shape, late)
-        batches[r] = steps[r] * own[r]
+
+    def settle(trains: list[bool], exchanges: Mapping[str, Exchange]) -> tuple[float, list[int], list[int], list[int]]:
+        """(round, steps, batches, every): a replica still busy with its exchange when the others start trains less
+        (`_late_s`), or under `cadence` contributes once per w rounds."""
+        settled_steps, settled_batches, every = list(steps), list(batches), [1] * len(paces)
+        per_replica, holding = replica_exchange(exchanges), replica_exchange(exchanges, 3)
+        live = [r for r in range(len(paces)) if trains[r]]
+        round_s = _round_s(window, [(roles[r], holding[r]) for r in live], shape)
+        for r in live:
+            late = _late_s(roles[r], per_replica[r], window, round_s, shape)
+            if late > LATE_TOLERANCE_S:
+                (settled_steps[r],), (a,) = _steps_in(window, accumulation, [paces[r]], shape, late)
+                settled_batches[r] = settled_steps[r] * a
+            if links.cadence and (late > LATE_TOLERANCE_S or not settled_steps[r]):
+                catch_up = max(_transfer_s(0, exchanges[p][1], peers[p]) for p, _, i, _, _ in members if i == r)
+                n, w = _window(paces[r], per_replica[r], catch_up, round_s, shape)
+                if w > 1:  # catching up: a round's download, for each round it skips
+                    settled_batches[r], every[r], settled_steps[r] = n, w, min(n, shape.inner_steps)
+        return round_s, settled_steps, settled_batches, every
+
+    round_s, steps, batches, every = settle(trains, exchanges)
+    if any(t and not n for t, n in zip(trains, batches, strict=True)):  # late below its minimum: it sits out
+        trains = [t and n > 0 for t, n in zip(trains, batches, strict=True)]
+        exchanges = _exchanges(peers, members, trains, shape, links, latency)
+        round_s, steps, batches, every = settle(trains, exchanges)
 
     nodes = {}
     for peer_id, role, replica, stage, _ in members:
@@ -536,18 +547,21 @@ def _exchanges(
     The others wait on a relay's whole exchange (its children need what it downloads and re-serves), but on a slow
     leaf only for its own message, one upload when it is selected: its downloads and T_fixed's upkeep delay its
     own next window alone (`_late_s`). T_fixed's changes are served by the shard-0 holders that are not slow
-    (`client/roles/stage_peer.py: table_donors`)."""
+    (`client/roles/stage_peer.py: table_donors`), in the background of their next window; a later stage fetches
+    them after the outer step, at its own link or at a server's share of its upload, whichever is slower."""
     contributors = sum(1 for t in trains if t)
     exchange = _exchange_kind(shape, links)
     limit = shape.max_contributors if exchange == "relay-tree" else 0
-    slow = _slow_holders(peers, members, trains, shape.stages) if exchange == "relay-tree" else {}
+    on_slow_uplinks = _slow_holders(peers, members, trains, shape.stages)
+    slow = on_slow_uplinks if exchange == "relay-tree" else {}
     relays = _typical_relays(peers, members, trains, slow)
     shard0 = [p for p, _, replica, stage, _ in members if stage <= 0 and trains[replica]]
-    table_servers = [p for p in shard0 if p not in slow.get(0, ())] or shard0
+    table_servers = [p for p in shard0 if p not in on_slow_uplinks.get(0, ())] or shard0
     table_fetchers = sum(1 for _, _, replica, stage, _ in members if stage > 0 and trains[replica])
     table_down, table_up = _table_upkeep_bytes(
         shape, links, aggregated(contributors, limit), len(table_servers), table_fetchers
     )
+    serving_s = max((_transfer_s(table_up, 0, peers[p]) for p in table_servers), default=0.0)
     exchanges = {}
     for peer_id, _, replica, stage, shards in members:
         peer = peers[peer_id]
@@ -566,14 +580,16 @@ def _exchanges(
         leaf = bool(shards) and all(peer_id in slow.get(s, ()) for s in shards)
         own_message = links.overhead_bytes + sum(shape.shard_message_bytes[s] for s in shards)
         waited = _transfer_s(own_message, 0, peer) if leaf else _transfer_s(up, down, peer)
-        down += table_down if stage > 0 else 0.0
+        busy = _transfer_s(up, down, peer)
+        if stage > 0 and table_down:
+            busy, down = busy + max(_transfer_s(0, table_down, peer), serving_s), down + table_down
         up += table_up if stage <= 0 and peer_id in table_servers else 0.0
         hops = exchange_hops(contributors, exchange)
         # a tree level: its relay stores a whole message, then forwards it; a slow leaf's relays are not itself
         via = {s: relays.get(s, peer) if peer_id in slow.get(s, ()) else peer for s in shards}
         level_s = sum(_transfer_s(shape.shard_message_bytes[s], shape.shard_message_bytes[s], via[s]) for s in shards)
         fixed_s = links.matchmaking_s + hops * latency.hop_ms(peer) / 1e3 + (hops - 1) * level_s
-        exchanges[peer_id] = (up, down, _transfer_s(up, down, peer) + fixed_s, waited + fixed_s)
+        exchanges[peer_id] = (up, down, busy + fixed_s, waited + fixed_s)
     return exchanges
 
 
@@ -588,7 +604,7 @@ def _late_s(role: str, exchange_s: float, window: float, round_s: float, shape: 
 def _window(
     pace: tuple[float, float], exchange_s: float, catch_up_s: float, round_s: float, shape: RunShape
 ) -> tuple[int, int]:
-    """(batches, w) of an off-core replica: what it trains in w rounds less its exchange and its catching up on the
+    """(batches, w) of a replica that starts late (`cadence`): what it trains in w rounds less its exchange and its catching up on the
     w − 1 rounds it skipped (link and compute taken in turn, not overlapped), for the w with the most tokens of
     value per round (`STALE_TOKEN_VALUE`); (0, 1) when no window holds `min_inner_steps` steps."""
     best = (0.0, 0, 1)
