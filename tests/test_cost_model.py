@@ -203,14 +203,15 @@ def test_with_windows_a_replica_that_would_hold_the_round_trains_less_and_contri
     assert s.every == 4 and s.batches == int((4 * p.round_s - s.exchange_s - 3 * catch_up) / 4.0) == 7
     assert s.bytes_down == 4 * 2 * 4000  # every round's messages, caught up
     assert p.tokens_per_round == pytest.approx((2 * 10 + 7 / 4) * 100)
-    assert p.tokens_per_s == pytest.approx((2 * 10 + 7 * 0.8 / 4) * 100 / p.round_s)
-
+    assert cost_model.token_value(7 / 4, 10) == pytest.approx(0.5)  # 0.175 of the fast ones' batches a round
+    assert p.tokens_per_s == pytest.approx((2 * 10 + 7 / 4 * 0.8 * 0.5) * 100 / p.round_s)
 
 
 def test_a_replica_too_late_or_too_slow_for_one_step_sits_out_and_windows_still_take_a_slow_one() -> None:
     """A replica whose downloads outlast the whole window sits the round out: it is no contributor and the others
     download nothing of it. One whose compute fits no step in a window trains nothing today; with windows it
-    contributes once per w rounds (here 2: one step of 20 s in two rounds of 11 s, its tokens at 0.30)."""
+    contributes once per w rounds (here 2: one step of 20 s in two rounds of 11 s), but at a twentieth of the fast
+    replicas' batches its tokens are worth nothing (`SLOW_TOKEN_VALUE`)."""
     late = {"a": peer("a", 100, 8), "b": peer("b", 100, 8), "s": PeerInfo("s", 16 * GB, 1, 1e-4, 100)}
     p = predict_round(late, Assignment(("a", "b", "s")), SHAPE, BARE)
     assert p.nodes["s"].steps == 0 and p.contributors == 2
@@ -222,7 +223,10 @@ def test_a_replica_too_late_or_too_slow_for_one_step_sits_out_and_windows_still_
     windows = predict_round(slow, Assignment(("a", "b", "s")), SHAPE, dataclasses.replace(BARE, cadence=True))
     s = windows.nodes["s"]
     assert (s.every, s.batches) == (2, 1) and windows.contributors == 3
-    assert windows.tokens_per_s == pytest.approx((2 * 10 + 0.3 * 1 / 2) * 100 / windows.round_s)
+    assert windows.trained_tokens_per_s == pytest.approx((2 * 10 + 1 / 2) * 100 / windows.round_s)
+    assert windows.tokens_per_s == pytest.approx(2 * 10 * 100 / windows.round_s)
+    assert [cost_model.token_value(n, 10) for n in (0.5, 1, 1.75, 2.5, 10)] == pytest.approx([0, 0, 0.5, 1, 1])
+
 
 def test_butterfly_bytes_stay_flat_while_all_to_all_grows_with_the_swarm() -> None:
     for replicas in (2, 4, 16, 1000):
@@ -321,9 +325,10 @@ def test_the_live_planner_judges_joiners_by_the_models_gain_where_the_traffic_ru
 
 def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_would_cost_the_swarm() -> None:
     """`1b` on 8 H100s (10 Gbit/s) settled as full replicas: one V100 on 2.5 Gbit/s (fast enough to relay) beside
-    them lengthens every round with its exchange more than its tokens pay for (480k tokens/s → 476k), eight of them
-    stretch the round and pay. Judged alone, as before, each of a batch was refused a full replica; judged with the
-    joiners after it, the batch becomes full replicas (the 1,000-volunteer swarm's live plan: 32% → 42% weak
+    them lengthens every round with its exchange more than its tokens pay for (480k tokens/s → 470k; at 0.15 of an
+    H100's batches a V100's token counts a third, `SLOW_TOKEN_VALUE`), eight of them stretch the round and pay
+    (497k). Judged alone, as before, each of a batch was refused a full replica; judged with the joiners after it,
+    the batch becomes full replicas (the 1,000-volunteer swarm's live plan: 32% → 42% weak
     scaling, with A100s on 1 Gbit/s, which the model priced as relays then)."""
     run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=30),
                      OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
@@ -335,11 +340,11 @@ def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_wou
     shape = RunShape.from_run(run)
     req, judge = requirements(shape), MarginalGain(shape, links)
     alone = plan([*h100s, v100s[0]], req, judge)
-    assert alone.roles["v100-0"] != ROLE_FULL and "go 479,586 → 476,380" in alone.reasons["v100-0"]
+    assert alone.roles["v100-0"] != ROLE_FULL and "go 479,586 → 470,422" in alone.reasons["v100-0"]
     batch = plan([*h100s, *v100s], req, judge)
     assert all(batch.roles[a.peer_id] == ROLE_FULL for a in v100s), batch.describe()
     assert "with it and 7 more joining after it as 8 more replicas" in batch.reasons["v100-0"]
-    assert "go 479,586 → 546,317" in batch.reasons["v100-0"]
+    assert "go 479,586 → 496,682" in batch.reasons["v100-0"]
     everyone = {p.peer_id: p for p in [*h100s, *v100s]}
     together = predict_round(everyone, Assignment(tuple(everyone)), shape, links).tokens_per_s
     assert together > predict_round(everyone, Assignment(tuple(p.peer_id for p in h100s)), shape, links).tokens_per_s
@@ -349,8 +354,8 @@ def test_the_live_planner_takes_a_batch_of_home_pipelines_together_when_one_alon
     """1,000 volunteers' datacenter half (50 H100s, 50 A100s) and 300 RTX 4090s on 40 Mbit/s up joining at once,
     `1b` at H = 50 and rank 48 (`make bench-plan`'s optimised run): one pipeline of 4090s costs the swarm (its
     holder per shard adds a slow author the others wait for), 75 pay. Each 4090 is judged with the others on links
-    like its own, so all 300 become stages; at rank 192 too (they paid nothing there while their stage 0 served its
-    later stages the table's changes at 40 Mbit/s and the round waited for the leaves' downloads)."""
+    like its own, so all 300 become stages; at rank 192 (heavier boundaries: fewer batches, worth less beside the
+    H100s', `SLOW_TOKEN_VALUE`) the 75 would cost, and none does."""
     kinds = [{"name": "h100", "count": 50, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
              {"name": "a100", "count": 50, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30},
              {"name": "rtx4090", "count": 300, "tflops": 65, "memory_gb": 22, "up_mbit": 40, "down_mbit": 200,
@@ -369,8 +374,9 @@ def test_the_live_planner_takes_a_batch_of_home_pipelines_together_when_one_alon
     assert predict_round(peers, live, shape, links).tokens_per_s > 1.1 * settled
     wide_shape = RunShape.from_run(cost_model.run_variant(run, 30, 192))
     wide = live_assignment(nodes, wide_shape, links)
-    assert len(wide.full) == 100 and len(wide.virtual) == 75
-    assert predict_round(peers, wide, wide_shape, links).tokens_per_s > predict_round(
+    assert len(wide.full) == 100 and not wide.virtual
+    pipelines = tuple(tuple(f"rtx4090-{4 * j + i}" for i in range(4)) for j in range(75))
+    assert predict_round(peers, Assignment(full, pipelines), wide_shape, links).tokens_per_s < predict_round(
         peers, Assignment(full), wide_shape, links).tokens_per_s  # fmt: skip
 
 

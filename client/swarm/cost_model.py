@@ -235,6 +235,8 @@ class NodeRound:
     boundary_up: float = 0.0
     """Of `bytes_up` / `bytes_down`, what its pipeline's boundaries move (the rest is the exchange)."""
     boundary_down: float = 0.0
+    token_value: float = 1.0
+    """What a token of its replica is worth against the fastest replica's (`SLOW_TOKEN_VALUE`)."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,8 @@ class RoundPrediction:
     aggregated: int = 0
     """Messages each shard's round aggregates: min(K, contributors) under relay-tree, else every contributor's."""
     effective_tokens_per_round: float | None = None
-    """`tokens_per_round` with stale windows' tokens at their value (`STALE_TOKEN_VALUE`); None: all fresh."""
+    """`tokens_per_round` with slow replicas' and stale windows' tokens at their value (`SLOW_TOKEN_VALUE`,
+    `STALE_TOKEN_VALUE`); None: all at face value."""
     accumulation: int = 1
     """Batches per inner step: the window stretched past H steps of the fastest replica (`_stretched`)."""
 
@@ -410,6 +413,12 @@ def exchange_hops(contributors: int, exchange: str) -> int:
 
 Member = tuple[str, str, int, int, tuple[int, ...]]
 """(peer, role, replica, stage, shards held) of one node in an assignment."""
+SLOW_TOKEN_VALUE = ((0.1, 0.0), (0.25, 1.0))
+"""(share, value): what a token of a replica that trains `share` of the fastest replica's batches a round is worth
+against the fastest's, from the algorithm lab's cells (`make sim-slow-steps`, bench/README *In a stretched round*;
+`tiny`, 4 replicas of which 2 slow, 3 seeds, against the slow ones sitting out): at a quarter it helped (−1.3% ±
+0.5% eval loss), at a tenth (+0.4% ± 1.9%) and a twentieth (−0.8% ± 1.8%) nothing measurable, so nothing at or
+below a tenth, everything from a quarter, linearly between (unmeasured)."""
 LATE_TOLERANCE_S = 1e-6
 """Lateness below this is rounding, not a replica still busy with its exchange."""
 Exchange = tuple[float, float, float, float]
@@ -475,6 +484,8 @@ def predict_round(
         exchanges = _exchanges(peers, members, trains, shape, links, latency)
         round_s, steps, batches, every = settle(trains, exchanges)
 
+    per_round = [n / w for n, w in zip(batches, every, strict=True)]
+    values = [token_value(n, max(per_round, default=0.0)) for n in per_round]
     nodes = {}
     for peer_id, role, replica, stage, _ in members:
         peer, n = peers[peer_id], batches[replica]
@@ -489,13 +500,12 @@ def predict_round(
             compute, memory = (n * full_step_s(peer, shape) if n else 0.0), shape.full_memory_bytes
         nodes[peer_id] = NodeRound(
             role, replica, steps[replica], compute, exchange_s, up, down, memory <= peer.memory_bytes, every[replica],
-            n, b_up, b_down,
+            n, b_up, b_down, values[replica],
         )  # fmt: skip
-    tokens = sum(n / w for n, w in zip(batches, every, strict=True)) * shape.tokens_per_step
-    effective = None
-    if links.cadence:
-        effective = sum(n / w * STALE_TOKEN_VALUE[w] for n, w in zip(batches, every, strict=True))
-        effective *= shape.tokens_per_step
+    tokens = sum(per_round) * shape.tokens_per_step
+    effective = shape.tokens_per_step * sum(
+        n * STALE_TOKEN_VALUE[w] * v for n, w, v in zip(per_round, every, values, strict=True)
+    )
     contributors = sum(1 for n in batches if n)
     limit = shape.max_contributors if _exchange_kind(shape, links) == "relay-tree" else 0
     return RoundPrediction(
@@ -593,6 +603,13 @@ def _exchanges(
     return exchanges
 
 
+def token_value(batches: float, fastest: float) -> float:
+    """What a token of a replica training `batches` a round is worth beside the fastest replica's `fastest`
+    (`SLOW_TOKEN_VALUE`)."""
+    (low, _), (high, _) = SLOW_TOKEN_VALUE
+    return min(1.0, max(0.0, (batches / fastest - low) / (high - low))) if fastest > 0 else 0.0
+
+
 def _late_s(role: str, exchange_s: float, window: float, round_s: float, shape: RunShape) -> float:
     """How long after the others start their next window a replica whose own exchange takes `exchange_s` is still
     busy with it: it then adopts their deadline (`client/roles/schedule.py`: the earliest one announced) and trains
@@ -604,9 +621,9 @@ def _late_s(role: str, exchange_s: float, window: float, round_s: float, shape: 
 def _window(
     pace: tuple[float, float], exchange_s: float, catch_up_s: float, round_s: float, shape: RunShape
 ) -> tuple[int, int]:
-    """(batches, w) of a replica that starts late (`cadence`): what it trains in w rounds less its exchange and its catching up on the
-    w − 1 rounds it skipped (link and compute taken in turn, not overlapped), for the w with the most tokens of
-    value per round (`STALE_TOKEN_VALUE`); (0, 1) when no window holds `min_inner_steps` steps."""
+    """(batches, w) of a replica that starts late (`cadence`): what it trains in w rounds less its exchange and its
+    catching up on the w − 1 rounds it skipped (link and compute taken in turn, not overlapped), for the w with the
+    most tokens of value per round (`STALE_TOKEN_VALUE`); (0, 1) when no window holds `min_inner_steps` steps."""
     best = (0.0, 0, 1)
     for w, value in sorted(STALE_TOKEN_VALUE.items()):
         n = _batches_in(w * round_s - exchange_s - (w - 1) * catch_up_s, *pace, shape.inner_steps)
