@@ -179,10 +179,10 @@ sim-slow: venv data
 	$(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor 4 \
 		--slow-windows 0,1,4 --slow-rules plain,discounted,rescaled,rescaled-discounted,rebased --jobs 2 --out bench/results/sim-slow
 
-# In a stretched round (the fast replicas' steps of 4 batches): 2 of 4 at a quarter and at a twentieth of the speed,
-# fewer steps of the round's size or smaller ones, or sitting out (2 × 12 runs, about an hour on 2 cores).
+# In a stretched round (the fast replicas' steps of 4 batches): 2 of 4 at a quarter, a tenth and a twentieth of the
+# speed, fewer steps of the round's size or smaller ones, or sitting out (3 × 12 runs, about 1.5 h on 2 cores).
 sim-slow-steps: venv data
-	for f in 4 20; do $(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor $$f \
+	for f in 4 10 20; do $(BIN)/hetero-node-lab sim --methods sparseloco --replicas 4 --slow-replicas 2 --slow-factor $$f \
 		--accumulation 4 --slow-windows 1,0 --slow-steps fewer,smaller --jobs 2 --out bench/results/sim-slow-steps/f$$f \
 		|| exit 1; done
 

@@ -413,12 +413,12 @@ def exchange_hops(contributors: int, exchange: str) -> int:
 
 Member = tuple[str, str, int, int, tuple[int, ...]]
 """(peer, role, replica, stage, shards held) of one node in an assignment."""
-SLOW_TOKEN_VALUE = ((0.1, 0.0), (0.25, 1.0))
-"""(share, value): what a token of a replica that trains `share` of the fastest replica's batches a round is worth
-against the fastest's, from the algorithm lab's cells (`make sim-slow-steps`, bench/README *In a stretched round*;
-`tiny`, 4 replicas of which 2 slow, 3 seeds, against the slow ones sitting out): at a quarter it helped (−1.3% ±
-0.5% eval loss), at a tenth (+0.4% ± 1.9%) and a twentieth (−0.8% ± 1.8%) nothing measurable, so nothing at or
-below a tenth, everything from a quarter, linearly between (unmeasured)."""
+SLOW_TOKEN_VALUE = (0.1, 0.25)
+"""(worthless, full): a token of a replica that trains at most `worthless` of the fastest replica's batches a round
+is worth nothing against the fastest's, from `full` on all of it, linearly between (unmeasured). The algorithm lab's
+cells (`make sim-slow-steps`, bench/README *In a stretched round*; `tiny`, 4 replicas of which 2 slow, 3 seeds,
+against the slow ones sitting out): at a quarter they helped (−1.3% ± 0.5% eval loss), at a tenth (+0.4% ± 1.9%)
+and a twentieth (−0.8% ± 1.8%) nothing measurable."""
 LATE_TOLERANCE_S = 1e-6
 """Lateness below this is rounding, not a replica still busy with its exchange."""
 Exchange = tuple[float, float, float, float]
@@ -606,8 +606,8 @@ def _exchanges(
 def token_value(batches: float, fastest: float) -> float:
     """What a token of a replica training `batches` a round is worth beside the fastest replica's `fastest`
     (`SLOW_TOKEN_VALUE`)."""
-    (low, _), (high, _) = SLOW_TOKEN_VALUE
-    return min(1.0, max(0.0, (batches / fastest - low) / (high - low))) if fastest > 0 else 0.0
+    worthless, full = SLOW_TOKEN_VALUE
+    return min(1.0, max(0.0, (batches / fastest - worthless) / (full - worthless))) if fastest > 0 else 0.0
 
 
 def _late_s(role: str, exchange_s: float, window: float, round_s: float, shape: RunShape) -> float:
