@@ -114,7 +114,10 @@ def test_a_malformed_topology_says_what_is_wrong(text: str, message: str) -> Non
 
 
 def test_a_missing_topology_names_the_bundled_ones() -> None:
-    bundled = "edge-only, hetero, hetero-tiny, hetero-tiny-wan, mixed-speed, slow-link, slow-link-base, uniform"
+    bundled = (
+        "edge-only, hetero, hetero-tiny, hetero-tiny-wan, mixed-speed, pipeline-link-fast, pipeline-link-slow, "
+        "slow-link, slow-link-base, uniform"
+    )
     with pytest.raises(TopologyError, match=rf"no such file, nor a bundled topology .*{bundled}"):
         load_topology(Path("nowhere.toml"))
 

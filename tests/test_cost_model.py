@@ -73,8 +73,8 @@ BARE = LinkModel(overhead_bytes=0)  # messages only: no DHT and matchmaking traf
 
 def test_a_round_of_two_full_replicas_and_one_virtual_replica_by_hand() -> None:
     p = predict_round(PEERS, Assignment(("a", "b"), (("c", "d"),)), SHAPE, BARE)
-    # VR step: (2 + 2 - 1) slots of (0.5 s compute + 50 bytes at 1 Mbit/s) / 2 microbatches
-    slot = (0.5 + 50 * 8 / 1e6) / 2
+    # VR step: (2 + 2 - 1) slots of 0.5 s compute (its 50 bytes at 1 Mbit/s sent meanwhile) / 2 microbatches
+    slot = max(0.5, 50 * 8 / 1e6) / 2
     assert p.window_s == pytest.approx(10 * 3 * slot)  # H steps of the fastest replica (the VR)
     # a: 1 s per step, b: 2 s; the VR starts its window 24 ms after the others (d's downloads, below): 9 steps
     assert [p.nodes[n].steps for n in "abcd"] == [7, 3, 9, 9]
@@ -104,7 +104,7 @@ def test_latency_overlap_memory_and_sitting_out() -> None:
     assert p.nodes["e"].steps == 0 and p.nodes["e"].bytes_down == 0 and p.contributors == 2
     assert p.nodes["a"].bytes_down == 1 * 4000  # only the other contributor's message
     latency_step = predict_round(PEERS, Assignment((), (("c", "d"),)), SHAPE, LinkModel(rtt_ms=100)).window_s / 10
-    assert latency_step == pytest.approx(3 * (0.5 + 50 * 8 / 1e6) / 2 + 0.1)  # one boundary, one way each direction
+    assert latency_step == pytest.approx(3 * max(0.5, 50 * 8 / 1e6) / 2 + 0.1)  # one boundary, one way each direction
     overlapped = dataclasses.replace(SHAPE, overlap=True)
     full_only = predict_round(PEERS, Assignment(("a", "b")), overlapped, LinkModel(matchmaking_s=30))
     assert full_only.round_s == pytest.approx(full_only.nodes["a"].exchange_s)  # the exchange outlasts the window
@@ -167,8 +167,23 @@ def test_a_replica_far_slower_than_the_stretched_rounds_steps_takes_smaller_ones
     assert own_batches_per_step(54.0, 10, 1.0, 0.0, 5) == 5 and own_batches_per_step(54.0, 10, 20.0, 0.0, 5) == 1
 
 
+def test_a_stage_sends_while_it_computes_so_its_slot_is_the_longer_of_the_two() -> None:
+    """The netlab's link-bound pipeline (`bench/topologies/pipeline-link-*.toml`): `tiny`'s two stages at the
+    throughput that gives its measured 0.110 s single-batch step on 900 Mbit/s links; on 1.5 Mbit/s links, where a
+    batch's 17 KB each way take as long as its compute, it measured 0.132 s, which the longer of the two predicts
+    (0.117 s) and their sum (0.227 s, the model before) does not."""
+    shape = RunShape.from_run(run_config(stages=2, batch_size=8, seq_len=64, inner_steps=20))  # the lab's run
+    fast, slow = ([PeerInfo(f"e{i}", GB, mbps, mbps, 3009) for i in range(2)] for mbps in (900, 1.5))
+    assert virtual_step_s(fast, shape, Latency()) == pytest.approx(0.110, abs=0.001)
+    measured = 0.132
+    assert virtual_step_s(slow, shape, Latency()) == pytest.approx(0.117, abs=0.001)
+    assert abs(virtual_step_s(slow, shape, Latency()) - measured) < 0.02
+    transfer = max(cost_model._transfer_s(*cost_model.boundary_bytes(s, shape), slow[s]) for s in range(2))
+    assert transfer > 0.09 and 0.110 + transfer * 5 / 4 > 0.2  # the sum would have been far off
+
+
 def test_a_pipelines_accumulated_batches_stream_and_pay_its_fill_and_round_trips_once_a_step() -> None:
-    slot = (0.5 + 50 * 8 / 1e6) / 2  # c and d: 0.5 s of compute and 50 bytes at 1 Mbit/s per batch, 2 microbatches
+    slot = max(0.5, 50 * 8 / 1e6) / 2  # c and d: 0.5 s of compute a batch (its 50 bytes sent meanwhile), M = 2
     holders = [PEERS["c"], PEERS["d"]]
     per_batch, per_step = accumulated_pace(holders, SHAPE, Latency())
     assert per_batch == pytest.approx(2 * slot) and per_batch + per_step == pytest.approx(3 * slot)  # one: GPipe
@@ -380,6 +395,32 @@ def test_the_live_planner_takes_a_batch_of_home_pipelines_together_when_one_alon
         peers, Assignment(full), wide_shape, links).tokens_per_s  # fmt: skip
 
 
+def test_the_live_planner_plans_waiting_joiners_again_beside_the_ones_it_settled() -> None:
+    """1,000 volunteers' datacenter half with their RTX 4090s and 3090s joining at once, `1b` at H = 50 and rank
+    48: beside 100 datacenter replicas the 3090 pipelines cost the swarm and wait on standby; once the 4090
+    pipelines have joined, the next refresh takes them too (`membership` plans a standby node every refresh), and
+    that is the optimised plan's layout."""
+    kinds = [{"name": "h100", "count": 50, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
+             {"name": "a100", "count": 50, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30},
+             {"name": "rtx4090", "count": 300, "tflops": 65, "memory_gb": 22, "up_mbit": 40, "down_mbit": 200,
+              "rtt_ms": 40},
+             {"name": "rtx3090", "count": 300, "tflops": 28, "memory_gb": 22, "up_mbit": 20, "down_mbit": 100,
+              "rtt_ms": 60}]  # fmt: skip
+    nodes, links = parse_swarm({"matchmaking_s": 2.0, "node": kinds}, get_preset("1b").n_params())
+    peers = {p.peer_id: p for p in nodes}
+    run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=50),
+                     OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
+    shape = RunShape.from_run(cost_model.run_variant(run, rank=48))
+    first = plan(nodes, requirements(shape), MarginalGain(shape, links))
+    assert {first.roles[p.peer_id] for p in nodes if p.peer_id.startswith("rtx3090")} == {ROLE_STANDBY}
+    live = live_assignment(nodes, shape, links)
+    kinds_taken = [vr[0].rsplit("-", 1)[0] for vr in live.virtual]
+    assert len(live.full) == 100 and kinds_taken.count("rtx4090") == 75 and kinds_taken.count("rtx3090") == 75
+    without = Assignment(live.full, tuple(vr for vr in live.virtual if vr[0].startswith("rtx4090")))
+    gained = predict_round(peers, live, shape, links).tokens_per_s
+    assert gained > predict_round(peers, without, shape, links).tokens_per_s
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_a_batch_of_joiners_taken_as_groups_never_leaves_the_full_replicas_slower_than_before(seed: int) -> None:
     """A joiner may be taken for a group of the ones after it (`full_cohort`); the next ones must then be able to
@@ -433,7 +474,7 @@ def test_the_model_prices_a_pipelines_boundaries_by_its_own_holders_round_trips(
     swarm = {**PEERS, "a": dataclasses.replace(PEERS["a"], rtt_ms=100.0), **near, **far}
     latency = Latency.of(swarm.values(), BARE)
     assert latency.core_ms == 100 and latency.boundaries_s(list(far.values())) == pytest.approx(1.4)
-    slot = (0.5 + 50 * 8 / 1e6) / 2
+    slot = max(0.5, 50 * 8 / 1e6) / 2
     one = {vr: predict_round(swarm, Assignment((), (vr,)), SHAPE, BARE) for vr in (("c", "d"), ("c2", "d2"))}
     assert one["c", "d"].window_s == pytest.approx(10 * (3 * slot + 0.1))
     assert one["c2", "d2"].window_s == pytest.approx(10 * (3 * slot + 1.4))

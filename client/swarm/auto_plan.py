@@ -222,12 +222,33 @@ def stage_cohort(peers: Mapping[str, PeerInfo], shape: RunShape, joiner: PeerInf
     )  # fmt: skip
 
 
+LIVE_REFRESHES = 4
+"""Plans `live_assignment` runs at most: the joiners' first, then one per refresh while it still settles nodes."""
+
+
 def live_assignment(peers: Iterable[PeerInfo], shape: RunShape, links: LinkModel = LinkModel()) -> Assignment:
-    """What the live planner makes of these nodes all joining at once (incomplete virtual replicas train nothing)."""
-    joining = [PeerInfo(**{**p.__dict__, "role": ROLE_JOINING, "vr": -1, "stage": -1}) for p in peers]
-    result = plan(joining, requirements(shape), MarginalGain(shape, links))
+    """What the live planner makes of these nodes all joining at once, and then of those it left waiting, planned
+    again beside the ones it settled as every refresh plans them (`client/swarm/membership.py`): RTX 3090 pipelines
+    that cost the swarm beside 100 datacenter replicas pay once 75 RTX 4090 pipelines have joined it. Incomplete
+    virtual replicas train nothing."""
+    nodes = [PeerInfo(**{**p.__dict__, "role": ROLE_JOINING, "vr": -1, "stage": -1}) for p in peers]
+    for _ in range(LIVE_REFRESHES):
+        result = plan(nodes, requirements(shape), MarginalGain(shape, links))
+        settled = [_settled(p, result.roles[p.peer_id], result.slots.get(p.peer_id)) for p in nodes]
+        if settled == nodes:
+            break
+        nodes = settled
     full = tuple(p for p, role in result.roles.items() if role == ROLE_FULL)
     return Assignment(full, result.complete_virtual_replicas(shape.stages))
+
+
+def _settled(peer: PeerInfo, role: str | None, slot: tuple[int, int] | None) -> PeerInfo:
+    """`peer` as its record reads once it holds the role it was planned (a joiner still, if it waits)."""
+    if role == ROLE_FULL:
+        return dataclasses.replace(peer, role=ROLE_FULL)
+    if role == ROLE_STAGE and slot is not None:
+        return dataclasses.replace(peer, role=ROLE_STAGE, vr=slot[0], stage=slot[1])
+    return peer
 
 
 def count_grid(n: int) -> list[int]:
