@@ -49,7 +49,7 @@ from hetero_node.protocol.errors import ConfigError
 from hetero_node.protocol.records import PeerRecord
 from hetero_node.protocol.roles import REQUEST_AUTO, REQUEST_FULL, ROLE_FULL, ROLE_STAGE, ROLE_STANDBY
 from hetero_node.protocol.round_stretch import own_batches_per_step
-from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, SparseLoCoConfig
+from hetero_node.protocol.run_config import OuterConfig, PipelineConfig, RunConfig, SparseLoCoConfig
 
 GB = 10**9
 
@@ -365,20 +365,34 @@ def test_the_live_planner_takes_slower_full_replicas_together_when_one_alone_wou
     assert together > predict_round(everyone, Assignment(tuple(p.peer_id for p in h100s)), shape, links).tokens_per_s
 
 
+VOLUNTEER_KINDS = {
+    "h100": {"name": "h100", "count": 50, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
+    "a100": {"name": "a100", "count": 50, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30},
+    "rtx4090": {"name": "rtx4090", "count": 300, "tflops": 65, "memory_gb": 22, "up_mbit": 40, "down_mbit": 200,
+                "rtt_ms": 40},
+    "rtx3090": {"name": "rtx3090", "count": 300, "tflops": 28, "memory_gb": 22, "up_mbit": 20, "down_mbit": 100,
+                "rtt_ms": 60},
+}  # fmt: skip
+"""Kinds of `bench/swarms/volunteers-1000.toml`."""
+
+
+def volunteer_swarm(*kinds: str) -> tuple[list[PeerInfo], LinkModel, RunConfig]:
+    """These kinds of the 1,000 volunteers, and `make bench-plan`'s `1b` run at H = 50."""
+    nodes, links = parse_swarm({"matchmaking_s": 2.0, "node": [VOLUNTEER_KINDS[k] for k in kinds]},
+                               get_preset("1b").n_params())  # fmt: skip
+    run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=50),
+                     OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
+    return nodes, links, run
+
+
 def test_the_live_planner_takes_a_batch_of_home_pipelines_together_when_one_alone_would_cost_the_swarm() -> None:
     """1,000 volunteers' datacenter half (50 H100s, 50 A100s) and 300 RTX 4090s on 40 Mbit/s up joining at once,
     `1b` at H = 50 and rank 48 (`make bench-plan`'s optimised run): one pipeline of 4090s costs the swarm (its
     holder per shard adds a slow author the others wait for), 75 pay. Each 4090 is judged with the others on links
     like its own, so all 300 become stages; at rank 192 (heavier boundaries: fewer batches, worth less beside the
     H100s', `SLOW_TOKEN_VALUE`) the 75 would cost, and none does."""
-    kinds = [{"name": "h100", "count": 50, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
-             {"name": "a100", "count": 50, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30},
-             {"name": "rtx4090", "count": 300, "tflops": 65, "memory_gb": 22, "up_mbit": 40, "down_mbit": 200,
-              "rtt_ms": 40}]  # fmt: skip
-    nodes, links = parse_swarm({"matchmaking_s": 2.0, "node": kinds}, get_preset("1b").n_params())
+    nodes, links, run = volunteer_swarm("h100", "a100", "rtx4090")
     peers = {p.peer_id: p for p in nodes}
-    run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=50),
-                     OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
     shape = RunShape.from_run(cost_model.run_variant(run, rank=48))
     full = tuple(p.peer_id for p in nodes[:100])
     alone = predict_round(peers, Assignment(full, (tuple(f"rtx4090-{i}" for i in range(4)),)), shape, links)
@@ -400,16 +414,8 @@ def test_the_live_planner_plans_waiting_joiners_again_beside_the_ones_it_settled
     48: beside 100 datacenter replicas the 3090 pipelines cost the swarm and wait on standby; once the 4090
     pipelines have joined, the next refresh takes them too (`membership` plans a standby node every refresh), and
     that is the optimised plan's layout."""
-    kinds = [{"name": "h100", "count": 50, "tflops": 400, "memory_gb": 80, "up_mbit": 10000, "rtt_ms": 20},
-             {"name": "a100", "count": 50, "tflops": 120, "memory_gb": 80, "up_mbit": 1000, "rtt_ms": 30},
-             {"name": "rtx4090", "count": 300, "tflops": 65, "memory_gb": 22, "up_mbit": 40, "down_mbit": 200,
-              "rtt_ms": 40},
-             {"name": "rtx3090", "count": 300, "tflops": 28, "memory_gb": 22, "up_mbit": 20, "down_mbit": 100,
-              "rtt_ms": 60}]  # fmt: skip
-    nodes, links = parse_swarm({"matchmaking_s": 2.0, "node": kinds}, get_preset("1b").n_params())
+    nodes, links, run = volunteer_swarm("h100", "a100", "rtx4090", "rtx3090")
     peers = {p.peer_id: p for p in nodes}
-    run = sizing_run(RunOptions(preset="1b", batch_size=4, seq_len=1024), OuterConfig(stages=4, inner_steps=50),
-                     OptimConfig(), SparseLoCoConfig(), PipelineConfig(microbatches=4))  # fmt: skip
     shape = RunShape.from_run(cost_model.run_variant(run, rank=48))
     first = plan(nodes, requirements(shape), MarginalGain(shape, links))
     assert {first.roles[p.peer_id] for p in nodes if p.peer_id.startswith("rtx3090")} == {ROLE_STANDBY}
