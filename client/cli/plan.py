@@ -219,7 +219,7 @@ def print_plan(
         ("replicas that train", lambda s: str(s["contributors"])),
         ("H / boundary rank", lambda s: f"{s['inner_steps']} / {s['rank'] or 'dense'}"),
         ("round s (training window)", lambda s: f"{s['round_s']:,.1f} ({s['window_s']:,.1f})"),
-        ("tokens/s (stale ones at their value)", lambda s: f"{s['tokens_per_s']:,.0f}"),
+        ("tokens/s (slow and stale ones at their value)", lambda s: f"{s['tokens_per_s']:,.0f}"),
         ("replicas once per window of rounds", lambda s: str(s["windowed_replicas"])),
         ("weak scaling (all nodes / nodes that train)",
          lambda s: f"{_percent(s['weak_scaling'])} / {_percent(s['used_scaling'])}"),

@@ -33,6 +33,8 @@ One round, as the protocol runs it:
   ρ each), or the whole fp32 table as before ("dense"). Every member also moves a fixed protocol overhead (DHT
   records, matchmaking, manifests). A node's exchange takes its slower direction at its link, plus a matchmaking
   overhead and a round trip;
+* tokens count at their value: a replica's at what the algorithm lab measured for its share of the fastest
+  replica's batches (`SLOW_TOKEN_VALUE`), a window's at its staleness's (`STALE_TOKEN_VALUE`, below);
 * T_fixed's changes are served by the shard-0 holders that are not on slow uplinks (`table_donors`), the load
   shared among them;
 * the round is the window plus the longest exchange the others wait on: a relay's whole exchange, a slow leaf's
@@ -253,13 +255,13 @@ class RoundPrediction:
     """Messages each shard's round aggregates: min(K, contributors) under relay-tree, else every contributor's."""
     effective_tokens_per_round: float | None = None
     """`tokens_per_round` with slow replicas' and stale windows' tokens at their value (`SLOW_TOKEN_VALUE`,
-    `STALE_TOKEN_VALUE`); None: all at face value."""
+    `STALE_TOKEN_VALUE`); None (a prediction built by hand): all at face value."""
     accumulation: int = 1
     """Batches per inner step: the window stretched past H steps of the fastest replica (`_stretched`)."""
 
     @property
     def tokens_per_s(self) -> float:
-        """What the planner maximises: tokens per second that reach θ, stale ones at their value."""
+        """What the planner maximises: tokens per second that reach θ, slow and stale ones at their value."""
         effective = self.effective_tokens_per_round
         return (self.tokens_per_round if effective is None else effective) / self.round_s if self.round_s > 0 else 0.0
 
@@ -628,7 +630,8 @@ def _window(
 ) -> tuple[int, int]:
     """(batches, w) of a replica that starts late (`cadence`): what it trains in w rounds less its exchange and its
     catching up on the w − 1 rounds it skipped (link and compute taken in turn, not overlapped), for the w with the
-    most tokens of value per round (`STALE_TOKEN_VALUE`); (0, 1) when no window holds `min_inner_steps` steps."""
+    most tokens of value per round (`STALE_TOKEN_VALUE`; its `SLOW_TOKEN_VALUE` is priced after, not in this
+    choice); (0, 1) when no window holds `min_inner_steps` steps."""
     best = (0.0, 0, 1)
     for w, value in sorted(STALE_TOKEN_VALUE.items()):
         n = _batches_in(w * round_s - exchange_s - (w - 1) * catch_up_s, *pace, shape.inner_steps)
