@@ -42,21 +42,24 @@ def run_configs(cfg: BenchConfig, method: str) -> tuple[RunOptions, OuterConfig,
 def method_configs(cfg: BenchConfig, method: str) -> tuple[RunOptions, OuterConfig, OptimConfig, PipelineConfig]:
     """A swarm method's run: the shared part, its outer method or boundaries, and the rounds' timing."""
     run, outer, optim = run_configs(cfg, method)
-    outer = dataclasses.replace(outer, round_s=cfg.round_s, overlap=cfg.overlap)
+    outer = dataclasses.replace(
+        outer, round_s=cfg.round_s, overlap=cfg.overlap, target_utilisation=cfg.target_utilisation
+    )
     pipeline = PipelineConfig()
-    if method == "diloco":
+    if method == "diloco":  # the mean rule only
         outer = dataclasses.replace(outer, outer="diloco", diloco_wire="fp32")
     elif method == "sparseloco":
-        outer = dataclasses.replace(outer, outer="sparseloco")
+        outer = dataclasses.replace(outer, outer="sparseloco", aggregation=cfg.aggregation)
     else:  # the planner's virtual replicas (hetero), or every replica one (compress-all)
         compression = "subspace" if method == "hetero" else "compress-all"
+        outer = dataclasses.replace(outer, aggregation=cfg.aggregation)
         pipeline = PipelineConfig(activation_compression=compression, subspace_rank=cfg.subspace_rank)
     return run, outer, optim, pipeline
 
 
 def bootstrap_argv(cfg: BenchConfig, method: str, address: str, identity: str) -> list[str]:
     where = BootstrapConfig(host=address, port=BOOTSTRAP_PORT, identity=Path(identity))
-    return [*CLI, "bootstrap", *to_argv(where, *method_configs(cfg, method), explicit={"port"})]
+    return [*CLI, "bootstrap", *to_argv(where, *method_configs(cfg, method), explicit={"port", "aggregation"})]
 
 
 def node_role(method: str, spec: NodeSpec) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from hetero_node.bench.sim_cadence import SLOW_RULES, SLOW_STEPS
 from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError, positive_int_list, require_positive
+from hetero_node.protocol.run_config import AGGREGATION_RULES, OuterConfig
 
 METHODS = ("ddp", "diloco", "sparseloco", "hetero", "compress-all")
 """ddp: dense fp32 gradient all-reduce every step (torch.distributed, gloo); diloco: every node a full replica,
@@ -59,6 +60,17 @@ class BenchConfig:
     overlap: bool = field(
         default=False, metadata={"help": "Swarm methods: full replicas overlap each round's exchange with training."}
     )
+    target_utilisation: float = field(
+        default=OuterConfig.target_utilisation,
+        metadata={"help": "Swarm methods: the run's --target-utilisation (0: rounds of H steps, not stretched)."},
+    )
+    aggregation: str = field(
+        default="mean",
+        metadata={
+            "help": "SparseLoCo methods' rule: mean (the lab's nodes are its own processes, as ddp's ranks are) or "
+            "robust (a public swarm's default; diloco has the mean rule only)."
+        },
+    )
     eval_batches: int = field(default=4, metadata={"help": "Validation batches per evaluation."})
     threads_per_node: int = field(
         default=1, metadata={"help": "Torch threads per node process (nodes share this machine's cores)."}
@@ -92,6 +104,8 @@ class BenchConfig:
             raise ConfigError(f"--methods {self.methods!r}: choose from {', '.join(METHODS)}")
         if self.subspace_rank < 0:
             raise ConfigError(f"--subspace-rank must not be negative, got {self.subspace_rank}")
+        if self.aggregation not in AGGREGATION_RULES:
+            raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
 
     @property
     def method_list(self) -> tuple[str, ...]:

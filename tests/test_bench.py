@@ -145,6 +145,15 @@ def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
     compress_all = bootstrap_argv(cfg, "compress-all", "10.0.0.1", "b.id")
     assert options(compress_all, "activation_compression", "subspace_rank") == ("compress-all", 8)
     assert options(bootstrap_argv(cfg, "hetero", "10.0.0.1", "b.id"), "activation_compression") == ("subspace",)
+    # the lab's nodes are its own processes: the mean rule, said explicitly (a public bootstrap's own is robust)
+    assert options(compress_all, "aggregation", "target_utilisation") == ("mean", 0.9)
+    robust = BenchConfig(aggregation="robust", target_utilisation=0.5)
+    assert options(bootstrap_argv(robust, "hetero", "10.0.0.1", "b.id"), "aggregation", "target_utilisation") == (
+        "robust", 0.5,
+    )  # fmt: skip
+    assert options(bootstrap_argv(robust, "diloco", "10.0.0.1", "b.id"), "aggregation") == ("mean",)  # its only rule
+    with pytest.raises(ConfigError, match="--aggregation must be one of mean, robust"):
+        BenchConfig(aggregation="median")
     edge = join_argv(cfg, "sparseloco", hetero, 2, "10.0.0.4", "/ip4/x", "edge0.jsonl")
     assert options(edge, "role", "bandwidth_mbps", "min_peers", "peers", "host") == (
         "full", 50, 4, ["/ip4/x"], "10.0.0.4",
@@ -252,8 +261,9 @@ def test_report_from_runs_splits_virtual_replica_tokens_and_writes_table_and_plo
 def test_time_to_ddp_loss_is_the_first_evaluation_within_3_percent_of_ddps_final_loss(tmp_path: Path) -> None:
     ddp = synthetic_run("ddp", [synthetic_node(n, "ddp", None, [3.5, 3.0]) for n in ("dc0", "dc1")])
     fast = synthetic_run("sparseloco", [synthetic_node(n, "full", None, [3.2, 3.08, 2.9]) for n in ("dc0", "dc1")])
-    for node in fast["nodes"]:  # it evaluates every 2 s where ddp takes 10
+    for node in fast["nodes"]:  # it starts at once and evaluates every 2 s where ddp takes 10
         for i, record in enumerate(node["rounds"]):
+            record.update(compute_s=1.0, comm_s=1.0)
             record["observed"]["at_s"] = 2.0 * (i + 1)
     slow = synthetic_run("compress-all", [synthetic_node("dc0", "full", None, [3.3, 3.2])])
     report = json.loads(write_report([ddp, fast, slow], tmp_path).read_text())
@@ -263,9 +273,14 @@ def test_time_to_ddp_loss_is_the_first_evaluation_within_3_percent_of_ddps_final
     assert reached["methods"]["ddp"]["at_s"] == 30.0 and reached["methods"]["ddp"]["times_sooner_than_ddp"] == 1
     row = reached["methods"]["sparseloco"]  # 3.08 ≤ 3.09 at round 1: 2 nodes × 2 rounds × 1000 tokens
     assert (row["round"], row["at_s"], row["tokens"], row["times_sooner_than_ddp"]) == (1, 4.0, 4000, 7.5)
-    assert reached["methods"]["compress-all"] == {"reached": False, "times_sooner_than_ddp": None}
+    # its ceiling: no start-up, then ddp's 4,000 tokens at its 1,000 tokens/s; it needed no more and got there
+    assert row["ceiling_times_sooner"] == pytest.approx(7.5)
+    assert reached["methods"]["ddp"]["ceiling_times_sooner"] is None
+    slow_row = reached["methods"]["compress-all"]  # started at 10 s, then 2,000 tokens in 20 s
+    assert slow_row["reached"] is False and slow_row["times_sooner_than_ddp"] is None
+    assert slow_row["ceiling_times_sooner"] == pytest.approx(30 / (10 + 4000 / 100))
     markdown = (tmp_path / "report.md").read_text()
-    assert "| sparseloco | 1 | 4.0 | 4,000 | 0.00 | 7.50× | 2.9000 |" in markdown
+    assert "| sparseloco | 1 | 4.0 | 4,000 | 0.00 | 7.50× | 2.9000 | 7.50 |" in markdown
     assert "| compress-all | not reached |" in markdown
     assert write_report([fast], tmp_path) and json.loads((tmp_path / "report.json").read_text())[
         "time_to_ddp_loss"] is None  # no ddp run, no target  # fmt: skip
