@@ -16,7 +16,7 @@ from pathlib import Path
 from hetero_node.bench.sim_cadence import SLOW_RULES, SLOW_STEPS
 from hetero_node.models.trainer import resolve_device
 from hetero_node.protocol.errors import ConfigError, positive_int_list, require_positive
-from hetero_node.protocol.run_config import AGGREGATION_RULES, OuterConfig
+from hetero_node.protocol.run_config import OuterConfig
 
 METHODS = ("ddp", "diloco", "sparseloco", "hetero", "compress-all")
 """ddp: dense fp32 gradient all-reduce every step (torch.distributed, gloo); diloco: every node a full replica,
@@ -62,7 +62,10 @@ class BenchConfig:
     )
     target_utilisation: float = field(
         default=OuterConfig.target_utilisation,
-        metadata={"help": "Swarm methods: the run's --target-utilisation (0: rounds of H steps, not stretched)."},
+        metadata={
+            "help": "Swarm methods: the run's --target-utilisation (0: rounds of H steps, not stretched; --overlap "
+            "stretches by the run's --overlap-utilisation instead, and --round-s fixes the length)."
+        },
     )
     aggregation: str = field(
         default="mean",
@@ -104,8 +107,7 @@ class BenchConfig:
             raise ConfigError(f"--methods {self.methods!r}: choose from {', '.join(METHODS)}")
         if self.subspace_rank < 0:
             raise ConfigError(f"--subspace-rank must not be negative, got {self.subspace_rank}")
-        if self.aggregation not in AGGREGATION_RULES:
-            raise ConfigError(f"--aggregation must be one of {', '.join(AGGREGATION_RULES)}, got {self.aggregation!r}")
+        OuterConfig(target_utilisation=self.target_utilisation, aggregation=self.aggregation)  # checked before ddp runs
 
     @property
     def method_list(self) -> tuple[str, ...]:

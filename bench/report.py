@@ -8,7 +8,10 @@ Definitions the table uses:
   the swarm's figure adds the bootstrap's. "Counted" bytes are what the program itself reports sending
   (outer-round payloads, plus pipeline-boundary traffic for stage peers);
 * tokens: a full replica's (or ddp rank's) are its own; a virtual replica's are split evenly among its stage
-  peers, so node tokens add up to the swarm's and the edge nodes' share is well defined.
+  peers, so node tokens add up to the swarm's and the edge nodes' share is well defined;
+* start-up: from launch to the earliest first round of any node; a swarm method's ceiling: ddp's time to its
+  loss over the method's start-up plus ddp's tokens at the method's tokens/s after it (its rounds' own costs
+  included), the most × sooner it could have been had it needed no more tokens than ddp.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ TIME_TO_LOSS_TOLERANCE = 0.03
 """A method has reached ddp's loss when its eval loss is within 3% above what ddp ends its budget at."""
 SCENARIO_KEYS = (
     "preset", "rounds", "swarm_rounds", "inner_steps", "batch_size", "seq_len", "stages", "subspace_rank", "lr",
-    "round_s", "overlap", "target_utilisation",
+    "round_s", "overlap", "target_utilisation", "aggregation",
 )  # fmt: skip
 
 
@@ -61,8 +64,7 @@ def _first_round_start_s(rounds: list[dict[str, Any]]) -> float | None:
     return first["observed"]["at_s"] - first["compute_s"] - first["comm_s"]
 
 
-def _node_wall_s(rounds: list[dict[str, Any]]) -> float | None:
-    start = _first_round_start_s(rounds)
+def _node_wall_s(rounds: list[dict[str, Any]], start: float | None) -> float | None:
     if start is None:
         return None
     return max(rounds[-1]["observed"]["at_s"] - start, sum(r["compute_s"] for r in rounds))
@@ -76,7 +78,8 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
         rounds, header = node["rounds"], node["header"]
         share = 1 / stage_peers[header.get("vr")] if header.get("role") == "stage" else 1.0
         tokens = share * sum(r["tokens"] for r in rounds)
-        wall = _node_wall_s(rounds)
+        started = _first_round_start_s(rounds)
+        wall = _node_wall_s(rounds, started)
         compute = sum(r["compute_s"] for r in rounds)
         nodes[node["name"]] = {
             "role": header.get("role", node["requested_role"]),
@@ -92,6 +95,7 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
             "reported_bytes_received": sum(r["bytes_received"] + r.get("boundary_bytes_received", 0) for r in rounds),
             "tokens": tokens,
             "compute_s": compute,
+            "started_s": started,
             "wall_s": wall,
             "compute_utilisation": compute / wall if wall else None,
             "tokens_per_s": tokens / wall if wall else None,
@@ -108,17 +112,16 @@ def summarize_run(run: dict[str, Any]) -> dict[str, Any]:
     wire_sent = sum(n["wire_bytes_sent"] for n in nodes.values()) + bootstrap["wire_bytes_sent"]
     edge_tokens = sum(n["tokens"] for n in nodes.values() if n["edge"])
     rounds = max((n["rounds"] for n in nodes.values()), default=0)
-    starts = [s for n in run["nodes"] if (s := _first_round_start_s(n["rounds"])) is not None]
-    started_s = min(starts, default=None)
+    started_s = min((n["started_s"] for n in nodes.values() if n["started_s"] is not None), default=None)
     training_s = wall_s - started_s if started_s is not None else 0.0
     return {
-        "started_s": started_s,
-        "training_tokens_per_s": tokens / training_s if training_s > 0 else None,
         "status": run["status"],
         "final_eval_loss": curve[-1]["eval_loss"] if curve else None,
         "wall_s": wall_s,
         "tokens": tokens,
         "tokens_per_s": tokens / wall_s if wall_s else None,
+        "started_s": started_s,
+        "training_tokens_per_s": tokens / training_s if training_s > 0 else None,
         "wire_bytes_sent": wire_sent,
         "wire_bytes_received": sum(n["wire_bytes_received"] for n in nodes.values()) + bootstrap["wire_bytes_received"],
         "reported_bytes_sent": sum(n["reported_bytes_sent"] for n in nodes.values()),
@@ -174,9 +177,9 @@ def time_to_ddp_loss(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | Non
 
 
 def _ceiling(ddp_s: float, ddp_tokens: float, method: dict[str, Any]) -> float | None:
-    """The most × sooner a swarm method could have been in this run: its own start-up, then ddp's tokens at its own
-    tokens/s while training, as if it needed no more tokens than ddp and its rounds cost nothing outside training.
-    On a machine whose cores the nodes share this bounds the ratio whatever the protocol does."""
+    """The most × sooner a swarm method could have been in this run: its own start-up, then ddp's tokens at the
+    tokens/s it kept after it (its rounds' costs outside training included), as if it needed no more tokens than
+    ddp. Where the nodes share a machine's cores, the rest of the gap is tokens: what it needed beyond ddp's."""
     started, rate = method.get("started_s"), method.get("training_tokens_per_s")
     if started is None or not rate:
         return None
@@ -251,7 +254,8 @@ def targets(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def write_report(runs: list[dict[str, Any]], out: Path) -> Path:
     """Write report.json, report.md and the two plots under `out`; returns report.json's path."""
-    settings = runs[0]["config"] if runs else {}
+    swarm = [run for run in runs if run["method"] != "ddp"]  # the round settings are the swarm methods'
+    settings = (swarm or runs)[0]["config"] if runs else {}
     scenario = {
         "topology": runs[0]["topology"] if runs else None,
         **{k: settings.get(k) for k in SCENARIO_KEYS},
@@ -344,8 +348,8 @@ def _time_to_loss_table(report: dict[str, Any]) -> list[str]:
         *lines,
         "",
         "Rounds count from 0; wall time from launch (start-up included, as above). Ceiling: ddp's time over the "
-        "method's start-up plus ddp's tokens at the method's tokens/s while training (no round overhead, no more "
-        "tokens than ddp): the most × sooner this machine allows it.",
+        "method's start-up plus ddp's tokens at the tokens/s it kept after it (its rounds' costs included): the most "
+        "× sooner it could have been had it needed no more tokens than ddp.",
         "",
     ]
 

@@ -147,6 +147,7 @@ def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
     assert options(bootstrap_argv(cfg, "hetero", "10.0.0.1", "b.id"), "activation_compression") == ("subspace",)
     # the lab's nodes are its own processes: the mean rule, said explicitly (a public bootstrap's own is robust)
     assert options(compress_all, "aggregation", "target_utilisation") == ("mean", 0.9)
+    assert "aggregation" in parse_argv(compress_all)[2]
     robust = BenchConfig(aggregation="robust", target_utilisation=0.5)
     assert options(bootstrap_argv(robust, "hetero", "10.0.0.1", "b.id"), "aggregation", "target_utilisation") == (
         "robust", 0.5,
@@ -154,6 +155,8 @@ def test_each_method_starts_the_cli_with_its_roles_and_run_options() -> None:
     assert options(bootstrap_argv(robust, "diloco", "10.0.0.1", "b.id"), "aggregation") == ("mean",)  # its only rule
     with pytest.raises(ConfigError, match="--aggregation must be one of mean, robust"):
         BenchConfig(aggregation="median")
+    with pytest.raises(ConfigError, match=r"--target-utilisation must be in \[0, 1\)"):
+        BenchConfig(target_utilisation=90)
     edge = join_argv(cfg, "sparseloco", hetero, 2, "10.0.0.4", "/ip4/x", "edge0.jsonl")
     assert options(edge, "role", "bandwidth_mbps", "min_peers", "peers", "host") == (
         "full", 50, 4, ["/ip4/x"], "10.0.0.4",
