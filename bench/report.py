@@ -177,9 +177,8 @@ def time_to_ddp_loss(methods: dict[str, dict[str, Any]]) -> dict[str, Any] | Non
 
 
 def _ceiling(ddp_s: float, ddp_tokens: float, method: dict[str, Any]) -> float | None:
-    """The most × sooner a swarm method could have been in this run: its own start-up, then ddp's tokens at the
-    tokens/s it kept after it (its rounds' costs outside training included), as if it needed no more tokens than
-    ddp. Where the nodes share a machine's cores, the rest of the gap is tokens: what it needed beyond ddp's."""
+    """A swarm method's ceiling (module docstring); what it falls short of it by is the tokens it needed beyond
+    ddp's."""
     started, rate = method.get("started_s"), method.get("training_tokens_per_s")
     if started is None or not rate:
         return None

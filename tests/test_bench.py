@@ -268,8 +268,10 @@ def test_time_to_ddp_loss_is_the_first_evaluation_within_3_percent_of_ddps_final
         for i, record in enumerate(node["rounds"]):
             record.update(compute_s=1.0, comm_s=1.0)
             record["observed"]["at_s"] = 2.0 * (i + 1)
+    fast["config"]["target_utilisation"] = 0.0
     slow = synthetic_run("compress-all", [synthetic_node("dc0", "full", None, [3.3, 3.2])])
     report = json.loads(write_report([ddp, fast, slow], tmp_path).read_text())
+    assert report["scenario"]["target_utilisation"] == 0.0  # the rounds' settings are a swarm run's, not ddp's
 
     reached = report["time_to_ddp_loss"]
     assert reached["target_eval_loss"] == pytest.approx(3.0 * 1.03)
